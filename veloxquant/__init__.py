@@ -1,0 +1,19 @@
+"""veloxquant: calibrated KV-cache compression for MLX."""
+
+from veloxquant._platform import preload_blas
+
+preload_blas()  # must precede the first `import mlx.core`
+
+__version__ = "0.1.0"
+
+from veloxquant.config import KVCacheConfig, make_cache  # noqa: E402
+
+__all__ = ["KVCacheConfig", "make_cache", "load_bundle", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "load_bundle":  # resolved lazily so the bundle module can import `veloxquant`
+        from veloxquant.bundle import load_bundle
+
+        return load_bundle
+    raise AttributeError(name)

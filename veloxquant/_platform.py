@@ -1,0 +1,54 @@
+"""Platform setup that must run before `mlx.core` is first imported.
+
+The Linux `mlx[cpu]` wheel links the reference netlib BLAS (~6 GFLOP/s float32 GEMM).
+Loading OpenBLAS into the global symbol namespace first makes MLX resolve its BLAS
+symbols there instead (20-30x faster). See DESIGN.md section 4.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+_BLAS_CANDIDATES = ("libblas.so.3", "libopenblas.so.0")
+blas_library: str | None = None
+
+
+def preload_blas() -> str | None:
+    """Load OpenBLAS globally on Linux; return the library loaded, or None."""
+    global blas_library
+    if blas_library is not None or not sys.platform.startswith("linux"):
+        return blas_library
+    if os.environ.get("VELOXQUANT_NO_BLAS_PRELOAD"):
+        return None
+    if "mlx.core" in sys.modules:
+        # Too late to affect symbol resolution; say so rather than pretend.
+        print(
+            "veloxquant: mlx.core was imported before veloxquant; OpenBLAS preload skipped "
+            "(matmul will be slow). Import veloxquant first.",
+            file=sys.stderr,
+        )
+        return None
+    for name in _BLAS_CANDIDATES:
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        blas_library = name
+        return name
+    print(
+        "veloxquant: OpenBLAS not found; MLX CPU matmul will be ~30x slower. "
+        "Install it with: apt-get install libopenblas0-pthread",
+        file=sys.stderr,
+    )
+    return None
+
+
+def default_dtype() -> str:
+    """float32 on the CPU backend (fp16 matmul is slow there), float16 on a GPU."""
+    import mlx.core as mx
+
+    if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return "float16"
+    return "float32"

@@ -1,0 +1,1 @@
+"""One KV-cache method per module. Each exposes `make_caches(model, config) -> list`."""
