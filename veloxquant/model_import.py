@@ -336,4 +336,18 @@ def load_model(model_dir: str | Path) -> tuple[Any, Any]:
             f"{model_dir} is not a model dir (no config.json). Run `veloxquant import-model` "
             "or `dvc repro import_model` first."
         )
-    return load(str(model_dir))
+    model, tokenizer = load(str(model_dir))
+    # Lets make_cache find a bundle shipped inside the model dir; a plain str attribute is not
+    # part of the parameter tree.
+    model._veloxquant_model_dir = str(model_dir.resolve())
+    return model, tokenizer
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """Load only the tokenizer of a model dir (mlx-lm TokenizerWrapper)."""
+    from mlx_lm.utils import load_tokenizer as _load_tokenizer
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise ModelImportError(f"{model_dir} has no tokenizer; run `veloxquant import-model` first.")
+    return _load_tokenizer(model_dir)

@@ -1,0 +1,27 @@
+"""Stage evaluate: held-out ppl / KL / top-1 / resident KV bytes for every configured row."""
+
+from pipeline._common import artifacts, model_key_arg
+from veloxquant.data import load_tokens
+from veloxquant.evaluate import evaluate_rows, plot_quality_vs_bits, write_csv, write_metrics
+from veloxquant.model_import import load_model
+
+
+def main() -> None:
+    key, params = model_key_arg(__doc__)
+    e = params["eval"]
+    model, _ = load_model(artifacts(key) / "model")
+    windows = load_tokens(artifacts(key) / "data" / "eval.safetensors")[: e["windows"]]
+    bundle = str(artifacts(key) / "bundle")
+    rows = [dict(r) for r in e["rows"]]
+    for r in rows:
+        if r.get("method") not in ("fp16", "quantized") and not r.get("uncalibrated"):
+            r.setdefault("artifact_dir", bundle)
+    results = evaluate_rows(model, windows, rows, prefill=e["prefill"], chunk=e["chunk"])
+    out = artifacts(key)
+    write_metrics(results, out / "metrics.json")
+    write_csv(results, out / "eval.csv")
+    plot_quality_vs_bits(results, out / "eval.png")
+
+
+if __name__ == "__main__":
+    main()
