@@ -11,7 +11,9 @@ import ctypes
 import os
 import sys
 
-_BLAS_CANDIDATES = ("libblas.so.3", "libopenblas.so.0")
+# Debian's libopenblas0-pthread registers itself as the libblas.so.3 alternative; loading
+# libopenblas.so.0 by its own name does not take over MLX's BLAS symbols (measured: no speedup).
+_BLAS_CANDIDATES = ("libblas.so.3",)
 blas_library: str | None = None
 
 

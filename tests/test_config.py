@@ -1,0 +1,26 @@
+"""conf/ is the single source of configuration: params.yaml must be its composition."""
+
+from __future__ import annotations
+
+import yaml
+
+from pipeline.compose import ROOT, compose_params
+
+
+def test_params_yaml_is_composed_from_conf():
+    committed = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert committed == compose_params(), (
+        "params.yaml is out of sync with conf/: run `python -m pipeline.compose`"
+    )
+
+
+def test_overrides_compose():
+    params = compose_params(["eval.windows=1", "capture.token_budget=128"])
+    assert params["eval"]["windows"] == 1 and params["capture"]["token_budget"] == 128
+    assert list(params["models"]) == ["smollm2-135m"]
+
+
+def test_dvc_config_is_offline_and_uses_hydra():
+    text = (ROOT / ".dvc" / "config").read_text()
+    assert "analytics = false" in text and "check_update = false" in text
+    assert "enabled = true" in text and "config_dir = conf" in text
