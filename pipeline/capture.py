@@ -2,7 +2,7 @@
 
 from pipeline._common import artifacts, model_key_arg
 from veloxquant.capture import capture_activations
-from veloxquant.data import load_tokens
+from veloxquant.data import data_fingerprint, load_tokens
 from veloxquant.model_import import load_model
 
 
@@ -17,6 +17,7 @@ def main() -> None:
         artifacts(key) / "activations",
         token_budget=c["token_budget"],
         seed=c["seed"],
+        data_sha256=data_fingerprint(data / "data.json", "calib")["sha256"],
     )
     print(summary)
 

@@ -23,7 +23,8 @@ def test_runtime_imports_without_pipeline_dependencies():
     """Caches and bundle loading need only mlx, mlx-lm, numpy and safetensors."""
     code = (
         "import sys\n"
-        "for name in ('dvc', 'hydra', 'omegaconf', 'datasets', 'gguf', 'matplotlib')  # tqdm ships with mlx-lm:\n"
+        "for name in ('dvc', 'hydra', 'omegaconf', 'datasets', 'gguf', 'matplotlib'):\n"  # tqdm stays: mlx-lm itself imports it
+
         "    sys.modules[name] = None  # makes `import name` raise ImportError\n"
         "import veloxquant\n"
         "from veloxquant import KVCacheConfig, make_cache, load_bundle\n"

@@ -18,6 +18,10 @@ import numpy as np
 from safetensors.numpy import save as _st_save_bytes
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path next to `path`; rename it onto `path` only if the block succeeds."""
@@ -26,6 +30,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are shared and shipped
     try:
         yield tmp
         with open(tmp, "rb+") as f:
