@@ -1,0 +1,144 @@
+"""Eval harness on the real model: one 256-token window, prefill 128, chunks of 32."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import veloxquant  # noqa: F401  (must precede mlx imports)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant.evaluate import evaluate_rows, plot_quality_vs_bits, write_csv, write_metrics
+
+SEQ_LEN, PREFILL, CHUNK = 256, 128, 32
+ROWS = [
+    {"name": "fp16", "method": "fp16"},
+    {"name": "q8", "method": "quantized", "bits": 8, "group_size": 64},
+    {"name": "q4", "method": "quantized", "bits": 4, "group_size": 64},
+    {"name": "q2", "method": "quantized", "bits": 2, "group_size": 64},
+]
+
+
+def _rotating(model):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return [RotatingKVCache(max_size=64, keep=4) for _ in model.layers]
+
+
+@pytest.fixture(scope="module")
+def window(smollm2, eval_text) -> np.ndarray:
+    _, tokenizer = smollm2
+    ids = tokenizer.encode(eval_text)
+    assert len(ids) >= SEQ_LEN
+    return np.array(ids[:SEQ_LEN], dtype=np.int32)[None]
+
+
+@pytest.fixture(scope="module")
+def results(smollm2, window) -> dict[str, dict]:
+    model, _ = smollm2
+    # A ready-made list of plain mlx-lm caches works as a row too (sliding window + 4 sinks).
+    rows = ROWS + [{"name": "rotating64", "make": _rotating, "window": 64, "sinks": 4}]
+    out = evaluate_rows(model, window, rows, prefill=PREFILL, chunk=CHUNK, progress=False)
+    assert [r["name"] for r in out] == [r["name"] for r in rows]
+    return {r["name"]: r for r in out}
+
+
+def test_fp16_row_matches_reference_and_full_forward(smollm2, window, results):
+    model, _ = smollm2
+    fp16 = results["fp16"]
+    assert fp16["kl"] < 1e-6 and fp16["kl_all"] < 1e-6
+    assert fp16["top1"] == 1.0
+    assert fp16["n_predictions"] == SEQ_LEN - 1 - PREFILL
+    assert fp16["n_predictions_all"] == SEQ_LEN - 1
+
+    # One plain forward over the whole window, no cache: chunked feeding must agree with it.
+    logits = model(mx.array(window))[0, :-1].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    nll = -mx.take_along_axis(logp, mx.array(window[0, 1:])[:, None], axis=-1)[:, 0]
+    nll = np.array(nll)
+    assert fp16["ppl_all"] == pytest.approx(math.exp(nll.mean()), rel=1e-4)
+    assert fp16["ppl"] == pytest.approx(math.exp(nll[PREFILL:].mean()), rel=1e-4)
+    assert fp16["ppl_ref"] == pytest.approx(fp16["ppl"], rel=1e-12)
+    assert 5 < fp16["ppl"] < 60  # real prose, not noise
+
+
+def test_quantized_quality_ordering(results):
+    q8, q4, q2 = results["q8"], results["q4"], results["q2"]
+    assert 0 < q8["kl"] < 0.01 and q8["top1"] > 0.9
+    assert q8["ppl_ratio"] == pytest.approx(1.0, abs=0.03)
+    assert q8["kl"] < q4["kl"] < q2["kl"]
+    assert q8["top1"] > q2["top1"]
+    assert q2["ppl"] > q4["ppl"] > q8["ppl"] * 0.99
+    assert q2["ppl"] > 2 * results["fp16"]["ppl"]
+
+
+def test_kv_bits_per_element_from_resident_arrays(smollm2, results):
+    model, _ = smollm2
+    n_layers = len(model.layers)
+    n_kv, head_dim = model.args.num_key_value_heads, model.args.head_dim
+    elements = 2 * n_layers * n_kv * head_dim * SEQ_LEN
+
+    fp16 = results["fp16"]  # float32 model on CPU: the "fp16" cache holds float32
+    assert fp16["kv_bytes"] == elements * 4
+    assert fp16["kv_bits_per_element"] == 32.0
+
+    # 4-bit, groups of 64: what mx.quantize itself allocates for one layer's keys.
+    packed, scales, biases = mx.quantize(
+        mx.zeros((1, n_kv, SEQ_LEN, head_dim)), group_size=64, bits=4
+    )
+    per_layer = 2 * (packed.nbytes + scales.nbytes + biases.nbytes)
+    assert results["q4"]["kv_bytes"] == n_layers * per_layer
+    q4_bits = 8 * n_layers * per_layer / elements
+    assert results["q4"]["kv_bits_per_element"] == pytest.approx(q4_bits)
+    assert 4 < results["q4"]["kv_bits_per_element"] < 6
+    assert results["q2"]["kv_bits_per_element"] < results["q4"]["kv_bits_per_element"] < (
+        results["q8"]["kv_bits_per_element"]
+    )
+
+    # The sliding-window cache keeps ~64 of 256 tokens: far fewer resident bytes than fp16.
+    rotating = results["rotating64"]
+    assert rotating["kv_bits_per_element"] < 16 and rotating["kl"] > 1e-3
+
+
+def test_results_say_what_each_configuration_is(results):
+    q4 = results["q4"]
+    assert q4["method"] == "quantized" and q4["bits"] == 4 and q4["group_size"] == 64
+    assert q4["calibrated"] is False and q4["uncalibrated"] is False
+    assert q4["prefill_chunked"] is True and q4["prefill"] == PREFILL and q4["chunk"] == CHUNK
+    assert q4["seq_len"] == SEQ_LEN and q4["n_windows"] == 1
+    assert results["rotating64"]["window"] == 64 and results["rotating64"]["calibrated"] is None
+
+
+def test_outputs_written(results, tmp_path):
+    rows = list(results.values())
+    metrics = write_metrics(rows, tmp_path / "metrics.json")
+    on_disk = json.loads((tmp_path / "metrics.json").read_text())
+    assert on_disk == metrics and set(on_disk) == set(results)
+    assert on_disk["q4"]["kl"] == results["q4"]["kl"]
+    assert on_disk["fp16"]["kv_bits_per_element"] == 32.0
+
+    write_csv(rows, tmp_path / "results.csv")
+    with open(tmp_path / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["name"] for r in table] == list(results)
+    assert table[2]["bits"] == "4" and float(table[2]["ppl"]) == pytest.approx(results["q4"]["ppl"])
+
+    plot_quality_vs_bits(rows, tmp_path / "quality.png")
+    png = (tmp_path / "quality.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_bad_arguments_are_named(smollm2, window):
+    model, _ = smollm2
+    with pytest.raises(ValueError, match=r"prefill must be in .* = \[1, 254\]"):
+        evaluate_rows(model, window, ROWS[:1], prefill=255, chunk=CHUNK, progress=False)
+    with pytest.raises(ValueError, match=r"unknown keys \['bitz'\].*valid fields"):
+        evaluate_rows(model, window, [{"name": "x", "method": "quantized", "bitz": 4}],
+                      prefill=PREFILL, chunk=CHUNK, progress=False)
+    with pytest.raises(ValueError, match="unique"):
+        evaluate_rows(model, window, [ROWS[0], ROWS[0]], prefill=PREFILL, chunk=CHUNK,
+                      progress=False)

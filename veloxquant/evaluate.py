@@ -1,0 +1,322 @@
+"""Evaluation harness: quality and resident memory of KV caches against the fp16 reference.
+
+DESIGN.md sections 7 and 9 ("honest numbers only"). For every held-out window and every row:
+- the text is fed the way generation feeds it: the first `prefill` tokens in one call, then the
+  rest in `chunk`-token calls through the cache, so a compressing cache is exercised on the
+  tokens it compressed, not on a single full-precision forward;
+- the reference is a plain mlx-lm `KVCache` (`KVCacheConfig(method="fp16")`) fed identically, so
+  an fp16 row matches it bit for bit; its log-probs are computed once per chunk and shared by all
+  rows (rows advance in lockstep, so only one chunk of logits per row is ever alive);
+- quality: perplexity after prefill (`ppl`, the compressed-cache regime) and over every predicted
+  position (`ppl_all`), KL(ref || row) and top-1 agreement with the reference after prefill,
+  all in float32 and accumulated as sums over windows;
+- memory: resident bytes = sum of the caches' `nbytes` at the end of the window (for mlx-lm
+  caches, their allocated arrays, including step padding), and
+  bits per element = 8 * bytes / (2 * layers * H_kv * head_dim * tokens fed), where the element
+  count is read from the reference cache, i.e. what an uncompressed cache would hold.
+
+Rows are plain dicts `{"name": ..., **KVCacheConfig fields}`; a row may instead carry
+`"make": callable(model) -> list of caches` (any mlx-lm-compatible caches).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import fields as dataclass_fields
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+
+from veloxquant.config import KVCacheConfig, make_cache
+from veloxquant.io import atomic_path, write_bytes_atomic, write_json_atomic
+
+CONFIG_FIELDS = tuple(f.name for f in dataclass_fields(KVCacheConfig))
+REFERENCE = KVCacheConfig(method="fp16")
+# Numeric result keys written to the DVC metrics JSON.
+METRIC_KEYS = (
+    "ppl",
+    "ppl_all",
+    "ppl_ratio",
+    "ppl_ref",
+    "kl",
+    "kl_all",
+    "top1",
+    "kv_bytes",
+    "kv_bits_per_element",
+)
+
+
+def _row_builder(row: dict) -> tuple[str, dict, Callable[[Any], list]]:
+    if "name" not in row or not isinstance(row["name"], str) or not row["name"]:
+        raise ValueError(f"Every eval row needs a non-empty 'name'; got {row!r}.")
+    name = row["name"]
+    fields = {k: v for k, v in row.items() if k not in ("name", "make")}
+    if "make" in row:
+        make = row["make"]
+        if not callable(make):
+            raise ValueError(f"Row {name!r}: 'make' must be a callable(model) -> caches.")
+        return name, fields, make
+    unknown = sorted(set(fields) - set(CONFIG_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"Row {name!r} has unknown keys {unknown}. Rows are "
+            f"{{'name': ..., **KVCacheConfig fields}}; valid fields: {list(CONFIG_FIELDS)}."
+        )
+    config = KVCacheConfig(**fields)
+    return name, config.to_dict(), lambda model: make_cache(model, config)
+
+
+def _segments(seq_len: int, prefill: int, chunk: int) -> list[tuple[int, int]]:
+    spans = [(0, prefill)]
+    spans += [(s, min(s + chunk, seq_len)) for s in range(prefill, seq_len, chunk)]
+    return spans
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _nbytes(caches: list) -> int:
+    return int(sum(c.nbytes for c in caches))
+
+
+def _kv_elements(reference_caches: list) -> int:
+    # What an uncompressed cache represents: 2 (K and V) * H_kv * head_dim * tokens, per layer.
+    total = 0
+    for c in reference_caches:
+        _, n_kv, _, k_dim = c.keys.shape
+        v_dim = c.values.shape[-1]
+        total += n_kv * (k_dim + v_dim) * c.offset
+    return total
+
+
+class _Sums:
+    """Running sums for one row over all windows."""
+
+    def __init__(self) -> None:
+        self.nll_all = self.nll_after = self.kl_all = self.kl_after = self.top1 = 0.0
+        self.n_all = self.n_after = 0
+        self.kv_bytes: list[int] = []
+        self.kv_elements: list[int] = []
+
+
+def evaluate_rows(
+    model: Any,
+    windows: np.ndarray,
+    rows: list[dict],
+    prefill: int,
+    chunk: int,
+    progress: bool = True,
+) -> list[dict]:
+    """Evaluate every row on every window against the fp16 `KVCache` reference.
+
+    windows: int [N, S] token ids; rows: `{"name": ..., **KVCacheConfig fields}` (or with
+    `"make"`). Returns one result dict per row (config fields + metrics), in row order.
+    """
+    from tqdm.auto import tqdm
+
+    windows = np.asarray(windows)
+    if windows.ndim != 2 or not np.issubdtype(windows.dtype, np.integer):
+        raise ValueError(
+            f"windows must be an integer array [N, S]; got {windows.dtype} {windows.shape}."
+        )
+    n_windows, seq_len = windows.shape
+    if n_windows < 1:
+        raise ValueError("windows is empty: nothing to evaluate.")
+    if not 1 <= prefill <= seq_len - 2:
+        raise ValueError(
+            f"prefill must be in [1, seq_len - 2] = [1, {seq_len - 2}] so that some positions are "
+            f"predicted after prefill; got prefill={prefill} for windows of {seq_len} tokens."
+        )
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1; got {chunk}.")
+    if not rows:
+        raise ValueError("rows is empty: give at least one {'name': ..., 'method': ...} row.")
+    built = [_row_builder(r) for r in rows]
+    names = [b[0] for b in built]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Row names must be unique; got {names}.")
+
+    segments = _segments(seq_len, prefill, chunk)
+    sums = [_Sums() for _ in built]
+    ref = _Sums()
+    bar = tqdm(
+        total=n_windows * len(built) * len(segments),
+        desc="evaluate",
+        unit="chunk",
+        disable=not progress,
+    )
+    for w in range(n_windows):
+        tokens = windows[w].astype(np.int32)
+        # The last token is fed too (its logits predict nothing) so the caches end holding the
+        # whole window, as after generating it.
+        targets = mx.array(tokens[1:])
+        ref_caches = make_cache(model, REFERENCE)
+        row_caches = [make(model) for _, _, make in built]
+        for start, end in segments:
+            n_pred = min(end, seq_len - 1) - start
+            after_prefill = start >= prefill
+            x = mx.array(tokens[None, start:end])
+            ref_logp = _log_softmax(model(x, cache=ref_caches)[0, :n_pred])
+            tgt = targets[start : start + n_pred]
+            ref_top = mx.argmax(ref_logp, axis=-1)
+            ref_nll = -mx.take_along_axis(ref_logp, tgt[:, None], axis=-1).sum()
+            ref_p = mx.exp(ref_logp)
+            mx.eval(ref_logp, ref_top, ref_nll, ref_p, [c.state for c in ref_caches])
+            _add(ref, float(ref_nll.item()), 0.0, 0.0, n_pred, after_prefill)
+            for (name, _, _), caches, acc in zip(built, row_caches, sums):
+                bar.set_postfix_str(f"window {w + 1}/{n_windows} {name}", refresh=False)
+                logp = _log_softmax(model(x, cache=caches)[0, :n_pred])
+                nll = -mx.take_along_axis(logp, tgt[:, None], axis=-1).sum()
+                kl = (ref_p * (ref_logp - logp)).sum()
+                agree = (mx.argmax(logp, axis=-1) == ref_top).sum()
+                mx.eval(nll, kl, agree, [c.state for c in caches])
+                _add(acc, float(nll.item()), float(kl.item()), float(agree.item()), n_pred,
+                     after_prefill)
+                bar.update(1)
+        elements = _kv_elements(ref_caches)
+        for caches, acc in zip(row_caches, sums):
+            acc.kv_bytes.append(_nbytes(caches))
+            acc.kv_elements.append(elements)
+        del ref_caches, row_caches
+    bar.close()
+
+    ppl_ref = math.exp(ref.nll_after / ref.n_after)
+    ppl_ref_all = math.exp(ref.nll_all / ref.n_all)
+    results = []
+    for (name, config, _), acc in zip(built, sums):
+        kv_bytes = sum(acc.kv_bytes) / n_windows
+        ppl = math.exp(acc.nll_after / acc.n_after)
+        results.append(
+            {
+                "name": name,
+                **config,
+                "calibrated": _is_calibrated(config),
+                "prefill_chunked": True,
+                "prefill": prefill,
+                "chunk": chunk,
+                "seq_len": seq_len,
+                "n_windows": n_windows,
+                "n_predictions": acc.n_after,
+                "n_predictions_all": acc.n_all,
+                "ppl": ppl,
+                "ppl_all": math.exp(acc.nll_all / acc.n_all),
+                "ppl_ref": ppl_ref,
+                "ppl_ref_all": ppl_ref_all,
+                "ppl_ratio": ppl / ppl_ref,
+                "kl": acc.kl_after / acc.n_after,
+                "kl_all": acc.kl_all / acc.n_all,
+                "top1": acc.top1 / acc.n_after,
+                "kv_bytes": kv_bytes,
+                "kv_bits_per_element": 8.0 * sum(acc.kv_bytes) / sum(acc.kv_elements),
+            }
+        )
+    return results
+
+
+def _is_calibrated(config: dict) -> bool | None:
+    """Whether the row uses calibration artifacts. A method module may say so with a
+    module-level `CALIBRATED = bool`; otherwise the `baselines` module is uncalibrated and every
+    other method is calibrated unless the row asks for its uncalibrated variant."""
+    import importlib
+
+    from veloxquant.config import METHODS
+
+    method = config.get("method")
+    if method not in METHODS:
+        return None  # a ready-made `make` row: the harness cannot tell
+    module = importlib.import_module(f"veloxquant.methods.{METHODS[method]}")
+    calibrated = getattr(module, "CALIBRATED", METHODS[method] != "baselines")
+    return bool(calibrated) and not config.get("uncalibrated", False)
+
+
+def _add(acc: _Sums, nll: float, kl: float, agree: float, n: int, after_prefill: bool) -> None:
+    acc.nll_all += nll
+    acc.kl_all += kl
+    acc.n_all += n
+    if after_prefill:
+        acc.nll_after += nll
+        acc.kl_after += kl
+        acc.top1 += agree
+        acc.n_after += n
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def write_metrics(results: list[dict], path_json: str | Path) -> dict:
+    """DVC metrics JSON `{row_name: {ppl, kl, top1, kv_bytes, kv_bits_per_element, ...}}`."""
+    metrics = {r["name"]: {k: r[k] for k in METRIC_KEYS if k in r} for r in results}
+    write_json_atomic(path_json, metrics)
+    return metrics
+
+
+def write_csv(results: list[dict], path_csv: str | Path) -> None:
+    """Every result field, one row per configuration (dicts such as `options` as JSON)."""
+    columns: list[str] = []
+    for r in results:
+        columns += [k for k in r if k not in columns]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for r in results:
+        writer.writerow(
+            {k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
+             for k, v in r.items()}
+        )
+    write_bytes_atomic(path_csv, buf.getvalue().encode())
+
+
+def plot_quality_vs_bits(results: list[dict], path_png: str | Path) -> None:
+    """Two panels against KV bits per element: perplexity ratio vs fp16, and KL(fp16 || row)."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bits = [r["kv_bits_per_element"] for r in results]
+    fig, (ax_ppl, ax_kl) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title in (
+        (ax_ppl, "ppl_ratio", "perplexity / fp16 perplexity (after prefill)"),
+        (ax_kl, "kl", "KL(fp16 || row), nats/token (after prefill)"),
+    ):
+        ys = [r[key] for r in results]
+        ax.scatter(bits, ys, zorder=3)
+        for r, x, y in zip(results, bits, ys):
+            ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        # Bits span 1-32: a log2 axis spreads the compressed rows instead of crowding them left.
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([b for b in (1, 2, 4, 8, 16, 32) if min(bits) / 1.5 <= b <= max(bits) * 1.5])
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlim(min(bits) / 1.4, max(bits) * 1.4)
+        ax.set_xlabel("resident KV bits per element")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_ppl.axhline(1.0, color="gray", lw=0.8)
+    top_ratio = max(r["ppl_ratio"] for r in results)
+    if top_ratio > 3:
+        ax_ppl.set_yscale("log")  # a broken 2-bit row would otherwise flatten all the others
+        ax_ppl.set_ylim(top=top_ratio * 2)
+    # KL spans 0 (fp16) to ~1: symlog keeps 0 on the axis and separates the small values.
+    ax_kl.set_yscale("symlog", linthresh=1e-4)
+    ax_kl.set_ylim(bottom=0, top=max(1e-3, max(r["kl"] for r in results)) * 4)
+    first = results[0]
+    fig.suptitle(
+        f"{first['n_windows']} windows x {first['seq_len']} tokens, prefill {first['prefill']}, "
+        f"chunk {first['chunk']}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    with atomic_path(path_png) as tmp:
+        # Fixed metadata so equal results give equal bytes.
+        fig.savefig(tmp, format="png", dpi=120, metadata={"Software": None})
+    plt.close(fig)
