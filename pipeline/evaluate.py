@@ -2,7 +2,7 @@
 
 from pipeline._common import artifacts, model_key_arg
 from veloxquant.data import load_tokens
-from veloxquant.evaluate import evaluate_rows, plot_quality_vs_bits, write_csv, write_metrics
+from veloxquant.evaluate import evaluate_rows, is_calibrated, plot_quality_vs_bits, write_csv, write_metrics
 from veloxquant.model_import import load_model
 
 
@@ -14,7 +14,7 @@ def main() -> None:
     bundle = str(artifacts(key) / "bundle")
     rows = [dict(r) for r in e["rows"]]
     for r in rows:
-        if r.get("method") not in ("fp16", "quantized") and not r.get("uncalibrated"):
+        if is_calibrated(r):
             r.setdefault("artifact_dir", bundle)
     results = evaluate_rows(model, windows, rows, prefill=e["prefill"], chunk=e["chunk"])
     out = artifacts(key)

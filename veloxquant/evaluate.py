@@ -199,7 +199,7 @@ def evaluate_rows(
             {
                 "name": name,
                 **config,
-                "calibrated": _is_calibrated(config),
+                "calibrated": is_calibrated(config),
                 "prefill_chunked": True,
                 "prefill": prefill,
                 "chunk": chunk,
@@ -222,7 +222,7 @@ def evaluate_rows(
     return results
 
 
-def _is_calibrated(config: dict) -> bool | None:
+def is_calibrated(config: dict) -> bool | None:
     """Whether the row uses calibration artifacts. A method module may say so with a
     module-level `CALIBRATED = bool`; otherwise the `baselines` module is uncalibrated and every
     other method is calibrated unless the row asks for its uncalibrated variant."""
