@@ -15,6 +15,10 @@ from typing import Any
 METHODS: dict[str, str] = {
     "fp16": "baselines",
     "quantized": "baselines",
+    "qfilters": "qfilters",
+    "streamingllm": "eviction",
+    "knorm": "eviction",
+    "vecinfer": "vecinfer",
 }
 
 

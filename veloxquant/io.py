@@ -56,7 +56,10 @@ def save_safetensors_atomic(
     """Save numpy/mlx arrays as safetensors, atomically and byte-deterministically.
 
     Keys are sorted and metadata is plain strings, so equal inputs give equal bytes.
+    At most one metadata key: safetensors writes several in hash-map (random) order.
     """
+    if metadata is not None and len(metadata) > 1:
+        raise ValueError("save_safetensors_atomic takes at most one metadata key (byte determinism)")
     arrays = {k: to_numpy(v) for k, v in sorted(tensors.items())}
     write_bytes_atomic(path, _st_save_bytes(arrays, metadata=metadata))
 

@@ -1,0 +1,413 @@
+"""Bundle format: round-trip, determinism, and one clear error per kind of bad input.
+
+The tensors here are random but spec-shaped (bundle tests are about the format); the real
+calibration -> bundle -> make_cache -> generate path is in test_qfilters.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import veloxquant  # noqa: F401  (must precede mlx imports)
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors.numpy import save as st_save
+
+from veloxquant import KVCacheConfig, make_cache
+from veloxquant.bundle import (
+    BUNDLE_SUBDIR,
+    MANIFEST,
+    BundleError,
+    BundleWarning,
+    attach_model_dir,
+    export_bundle,
+    fingerprint_model_dir,
+    inspect_bundle,
+    load_bundle,
+    merge_bundles,
+    verify_bundle,
+    write_method,
+)
+
+L, H_Q, H_KV, D = 30, 9, 3, 64  # SmolLM2-135M
+DATA = {"source": {"kind": "pydoc_topics"}, "split": "calib", "seq_len": 1024,
+        "n_tokens": 8192, "sha256": "ab" * 32}
+VECINFER_HP = {"key_bits": 8, "key_sub_dim": 4, "value_bits": 8, "value_sub_dim": 4,
+               "share": "layer"}
+
+
+def qfilters_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    f = rng.standard_normal((L, H_KV, D)).astype(np.float32)
+    f /= np.linalg.norm(f, axis=-1, keepdims=True)
+    return {
+        "filters": f,
+        "sigma1": rng.random((L, H_Q), np.float32),
+        "kappa": rng.random((L, H_Q), np.float32),
+        "spearman": rng.random(L, np.float32),
+        "spearman_fallback": rng.random(L, np.float32),
+    }
+
+
+def vecinfer_tensors(seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "smooth": rng.random((L, H_KV, D), np.float32),
+        "key_codebook": rng.standard_normal((L, 1, 256, 4)).astype(np.float32),
+        "value_codebook": rng.standard_normal((L, 1, 256, 4)).astype(np.float32),
+    }
+
+
+def write_qf(bundle: Path, model_dir: Path, seed: int = 0, data: dict = DATA) -> Path:
+    return write_method(
+        bundle, "qfilters", qfilters_tensors(seed), model_dir=model_dir, data_fingerprint=data,
+        capture_point="q_post", hyperparameters={"max_rows_per_head": 3000, "seed": seed},
+        diagnostics={"spearman_mean": 0.7, "kappa_positive_fraction": 1.0},
+    )
+
+
+@pytest.fixture(scope="module")
+def model_fp(smollm2_dir) -> dict:
+    return fingerprint_model_dir(smollm2_dir)
+
+
+@pytest.fixture
+def bundle(tmp_path, model_fp) -> Path:
+    write_qf(tmp_path / "b", model_fp)
+    return tmp_path / "b"
+
+
+def manifest(path: Path) -> dict:
+    return json.loads((path / MANIFEST).read_text())
+
+
+def rewrite(bundle: Path, method: str, data: bytes) -> None:
+    """Replace a method file AND fix its manifest checksum, so later checks are exercised."""
+    m = manifest(bundle)
+    (bundle / m["methods"][method]["file"]).write_bytes(data)
+    m["methods"][method]["size"] = len(data)
+    import hashlib
+
+    m["methods"][method]["sha256"] = hashlib.sha256(data).hexdigest()
+    (bundle / MANIFEST).write_text(json.dumps(m))
+
+
+def edit_manifest(bundle: Path, fn) -> None:
+    m = manifest(bundle)
+    fn(m)
+    (bundle / MANIFEST).write_text(json.dumps(m))
+
+
+# ------------------------------------------------------------------------------- good paths
+
+
+def test_round_trip(bundle, smollm2, model_fp):
+    model, _ = smollm2
+    b = load_bundle(bundle, model)
+    assert b.methods == ["qfilters"]
+    want = qfilters_tensors(0)
+    got = b.tensors("qfilters")
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == mx.float32
+        np.testing.assert_array_equal(np.array(got[k]), want[k])
+    info = b.method_info("qfilters")
+    assert info["capture_point"] == "q_post"
+    assert info["hyperparameters"] == {"max_rows_per_head": 3000, "seed": 0}
+    assert info["diagnostics"]["spearman_mean"] == 0.7
+    assert info["data"] == DATA
+    m = b.manifest
+    assert (m["format"], m["format_version"]) == ("veloxquant-bundle", 1)
+    assert m["model"]["num_layers"] == 30 and m["model"]["num_kv_heads"] == 3
+    assert m["model"]["rope_traditional"] is True and m["model"]["rope_theta"] == 1e5
+    assert m["model"]["weights_sha256"] == model_fp["weights_sha256"] is not None
+    assert m["model"]["tokenizer_sha256"] == model_fp["tokenizer_sha256"] is not None
+    e = m["methods"]["qfilters"]
+    assert e["size"] == (bundle / "qfilters.safetensors").stat().st_size
+    assert set(e["versions"]) >= {"veloxquant", "mlx", "mlx-lm"}
+    assert e["tensors"]["filters"] == {"shape": [30, 3, 64], "dtype": "float32"}
+
+
+def test_determinism(tmp_path, model_fp):
+    write_qf(tmp_path / "a", model_fp)
+    write_qf(tmp_path / "b", model_fp)
+    fa, fb = (tmp_path / d / "qfilters.safetensors" for d in "ab")
+    assert fa.read_bytes() == fb.read_bytes()
+
+    def strip(m):
+        m.pop("created_at")
+        m["methods"]["qfilters"].pop("created_at")
+        return m
+
+    assert strip(manifest(tmp_path / "a")) == strip(manifest(tmp_path / "b"))
+    # and the json itself is canonical (sorted keys), so equal content means equal bytes
+    ta = (tmp_path / "a" / MANIFEST).read_text()
+    assert ta == json.dumps(json.loads(ta), indent=2, sort_keys=True) + "\n"
+
+
+def test_refresh_one_method_leaves_the_other_untouched(bundle, model_fp):
+    write_method(bundle, "vecinfer", vecinfer_tensors(), model_dir=model_fp, data_fingerprint=DATA,
+                 capture_point="k_post", hyperparameters=VECINFER_HP, diagnostics={"mse": 0.1})
+    before = (bundle / "vecinfer.safetensors").read_bytes()
+    entry = manifest(bundle)["methods"]["vecinfer"]
+    stat = os.stat(bundle / "vecinfer.safetensors")
+    write_qf(bundle, model_fp, seed=5, data={**DATA, "sha256": "cd" * 32})
+    assert (bundle / "vecinfer.safetensors").read_bytes() == before
+    assert os.stat(bundle / "vecinfer.safetensors").st_mtime_ns == stat.st_mtime_ns
+    m = manifest(bundle)
+    assert m["methods"]["vecinfer"] == entry
+    assert m["methods"]["qfilters"]["data"]["sha256"] == "cd" * 32
+    b = load_bundle(bundle)
+    assert b.methods == ["qfilters", "vecinfer"]
+    assert b.tensors("vecinfer")["key_codebook"].shape == (30, 1, 256, 4)
+
+
+def test_inspect_and_verify(bundle, smollm2_dir):
+    text = inspect_bundle(bundle)
+    for needle in ("qfilters", "[30, 3, 64]", "capture=q_post", "layers=30", "kv_heads=3",
+                   "spearman_mean", "sha256=", "KiB", "pydoc_topics"):
+        assert needle in text, needle
+    verify_bundle(bundle)
+    verify_bundle(bundle, model_dir=smollm2_dir, strict=True)
+
+
+def test_export_next_to_model_and_found_by_make_cache(bundle, smollm2, smollm2_dir, tmp_path):
+    model, _ = smollm2
+    # a model dir of links to the real files: same digests, and exporting does not touch it
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in Path(smollm2_dir).iterdir():
+        if f.is_file():
+            (model_dir / f.name).symlink_to(f.resolve())
+    dest = export_bundle(bundle, model_dir)
+    assert dest == model_dir / BUNDLE_SUBDIR
+    assert sorted(p.name for p in dest.iterdir()) == [MANIFEST, "qfilters.safetensors"]
+    assert (dest / "qfilters.safetensors").read_bytes() == (bundle / "qfilters.safetensors").read_bytes()
+    export_bundle(bundle, model_dir)  # re-export replaces it cleanly
+    assert not [p for p in model_dir.iterdir() if p.name.startswith(".")]
+    verify_bundle(model_dir)  # a model dir resolves to its shipped bundle
+
+    old = getattr(model, "_veloxquant_model_dir", None)
+    try:
+        attach_model_dir(model, model_dir)
+        caches = make_cache(model, KVCacheConfig(method="qfilters", budget=64))  # no artifact_dir
+        want = qfilters_tensors(0)["filters"][7]
+        np.testing.assert_array_equal(np.array(caches[7].filters), want)
+    finally:
+        model._veloxquant_model_dir = old
+
+
+def test_merge_bundles(bundle, model_fp, tmp_path):
+    other = tmp_path / "vi"
+    write_method(other, "vecinfer", vecinfer_tensors(), model_dir=model_fp, data_fingerprint=DATA,
+                 capture_point="k_post", hyperparameters=VECINFER_HP, diagnostics={})
+    out = merge_bundles(tmp_path / "merged", [bundle, other])
+    assert load_bundle(out).methods == ["qfilters", "vecinfer"]
+    assert (out / "vecinfer.safetensors").read_bytes() == (other / "vecinfer.safetensors").read_bytes()
+    with pytest.raises(BundleError, match="more than one input"):
+        merge_bundles(tmp_path / "twice", [bundle, bundle])
+
+
+# ------------------------------------------------------------------------------- fail closed
+
+
+def test_calibrated_method_without_bundle_fails_closed(smollm2):
+    model, _ = smollm2
+    with pytest.raises(BundleError, match=r"dvc repro qfilters@<model>.*uncalibrated=True"):
+        make_cache(model, KVCacheConfig(method="qfilters", budget=64))
+    caches = make_cache(model, KVCacheConfig(method="qfilters", budget=64, uncalibrated=True))
+    assert len(caches) == 30 and caches[0].filters is None
+
+
+def test_missing_method_names_its_stage(bundle, smollm2):
+    model, _ = smollm2
+    with pytest.raises(BundleError, match=r"no 'vecinfer' artifact.*dvc repro vecinfer@<model>"):
+        load_bundle(bundle, model).tensors("vecinfer")
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+def test_truncated_file(bundle):
+    f = bundle / "qfilters.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(BundleError, match=r"size is \d+ bytes but the manifest says \d+ \(truncated"):
+        load_bundle(bundle)
+
+
+def test_flipped_byte(bundle):
+    f = bundle / "qfilters.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="sha256 mismatch"):
+        load_bundle(bundle)
+
+
+def test_truncated_file_with_matching_checksum_is_caught_by_the_header_check(bundle):
+    rewrite(bundle, "qfilters", (bundle / "qfilters.safetensors").read_bytes()[:-100])
+    with pytest.raises(BundleError, match="inconsistent data offsets|trailing bytes|truncated"):
+        load_bundle(bundle)
+
+
+def test_missing_tensor(bundle, model_fp):
+    t = qfilters_tensors()
+    del t["kappa"]
+    with pytest.raises(BundleError, match="tensor 'kappa' is missing"):
+        write_method(bundle, "qfilters", t, model_dir=model_fp, data_fingerprint=DATA,
+                     capture_point="q_post", hyperparameters={}, diagnostics={})
+    rewrite(bundle, "qfilters", st_save(t))
+    with pytest.raises(BundleError, match="tensor 'kappa' is missing"):
+        load_bundle(bundle)
+
+
+def test_wrong_shape(bundle):
+    t = qfilters_tensors()
+    t["filters"] = t["filters"][:, :2]
+    rewrite(bundle, "qfilters", st_save(t))
+    with pytest.raises(BundleError, match=r"'filters' has shape \[30, 2, 64\], expected \[30, 3, 64\]"):
+        load_bundle(bundle)
+
+
+def test_wrong_dtype(bundle):
+    t = qfilters_tensors()
+    t["filters"] = t["filters"].astype(np.float16)
+    rewrite(bundle, "qfilters", st_save(t))
+    with pytest.raises(BundleError, match="'filters' has dtype float16, expected float32"):
+        load_bundle(bundle)
+
+
+def test_unexpected_tensor(bundle):
+    t = qfilters_tensors()
+    t["secret"] = np.zeros(3, np.float32)
+    rewrite(bundle, "qfilters", st_save(t))
+    with pytest.raises(BundleError, match=r"unexpected tensors \['secret'\]"):
+        load_bundle(bundle)
+
+
+def test_nan_tensor_refused_at_write(tmp_path, model_fp):
+    t = qfilters_tensors()
+    t["filters"][3, 1, 5] = np.nan
+    with pytest.raises(BundleError, match="'filters' contains NaN"):
+        write_method(tmp_path / "b", "qfilters", t, model_dir=model_fp, data_fingerprint=DATA,
+                     capture_point="q_post", hyperparameters={}, diagnostics={})
+    assert not (tmp_path / "b" / MANIFEST).exists()
+
+
+def _tiny_llama_dir(path: Path, tokenizer_from: Path, layers: int, kv_heads: int) -> Path:
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": layers,
+              "intermediate_size": 64, "num_attention_heads": 9, "num_key_value_heads": kv_heads,
+              "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 128, "rope_theta": 1e5,
+              "rope_traditional": True}
+    model = llama.Model(llama.ModelArgs(**config))
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    shutil.copy(Path(tokenizer_from) / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
+@pytest.mark.parametrize(
+    "layers, kv_heads, field, theirs, ours",
+    [(2, 3, "num_layers", 2, 30), (30, 1, "num_kv_heads", 1, 3)],
+)
+def test_wrong_model_bundle(tmp_path, smollm2, smollm2_dir, layers, kv_heads, field, theirs, ours):
+    model, _ = smollm2
+    tiny = _tiny_llama_dir(tmp_path / "tiny", smollm2_dir, layers, kv_heads)
+    fp = fingerprint_model_dir(tiny)
+    rng = np.random.default_rng(0)
+    f = rng.standard_normal((layers, kv_heads, 64)).astype(np.float32)
+    t = {"filters": f / np.linalg.norm(f, axis=-1, keepdims=True),
+         "sigma1": np.ones((layers, 9), np.float32), "kappa": np.ones((layers, 9), np.float32),
+         "spearman": np.ones(layers, np.float32), "spearman_fallback": np.ones(layers, np.float32)}
+    write_method(tmp_path / "b", "qfilters", t, model_dir=fp, data_fingerprint=DATA,
+                 capture_point="q_post", hyperparameters={}, diagnostics={})
+    load_bundle(tmp_path / "b")  # a valid bundle, just for another model
+    msg = rf"{field} is {theirs} in the bundle but {ours} in the model"
+    with pytest.raises(BundleError, match=msg):
+        load_bundle(tmp_path / "b", model)
+    with pytest.raises(BundleError, match=msg):
+        verify_bundle(tmp_path / "b", model_dir=smollm2_dir)
+    with pytest.raises(BundleError, match=msg):
+        make_cache(model, KVCacheConfig(method="qfilters", artifact_dir=str(tmp_path / "b"), budget=64))
+
+
+def test_other_copy_of_the_model_warns_or_fails_under_strict(bundle, smollm2):
+    model, _ = smollm2
+    assert getattr(model, "_veloxquant_model_dir", None), "load_model should record the model dir"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the model's own digests must not warn
+        load_bundle(bundle, model, strict=True)
+    edit_manifest(bundle, lambda m: m["model"].update(weights_sha256="0" * 64))
+    with pytest.warns(BundleWarning, match="weights_sha256 differs"):
+        load_bundle(bundle, model)
+    with pytest.raises(BundleError, match="weights_sha256 differs.*strict"):
+        load_bundle(bundle, model, strict=True)
+    with pytest.raises(BundleError, match="weights_sha256 differs"):
+        make_cache(model, KVCacheConfig(method="qfilters", artifact_dir=str(bundle), budget=64,
+                                        strict=True))
+
+
+def test_unknown_format_version(bundle):
+    edit_manifest(bundle, lambda m: m.update(format_version=2))
+    with pytest.raises(BundleError, match="unknown bundle format_version 2"):
+        load_bundle(bundle)
+
+
+def test_not_a_bundle(tmp_path):
+    with pytest.raises(BundleError, match="not a veloxquant bundle"):
+        load_bundle(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [("../qfilters.safetensors", r"escapes the bundle dir"),
+     ("sub/../../x.safetensors", r"escapes the bundle dir"),
+     ("/etc/passwd", r"absolute path")],
+)
+def test_path_traversal_in_manifest(bundle, name, match):
+    shutil.copy(bundle / "qfilters.safetensors", bundle.parent / "qfilters.safetensors")
+    edit_manifest(bundle, lambda m: m["methods"]["qfilters"].update(file=name))
+    with pytest.raises(BundleError, match=match):
+        load_bundle(bundle)
+
+
+def test_symlink_out_of_the_bundle(bundle, tmp_path):
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(bundle / "qfilters.safetensors", outside)
+    (bundle / "link.safetensors").symlink_to(outside)
+    edit_manifest(bundle, lambda m: m["methods"]["qfilters"].update(file="link.safetensors"))
+    with pytest.raises(BundleError, match="outside the bundle dir"):
+        load_bundle(bundle)
+
+
+def test_pickle_named_safetensors(bundle):
+    payload = pickle.dumps(qfilters_tensors(), protocol=4)
+    (bundle / "qfilters.safetensors").write_bytes(payload)  # manifest checksum not even fixed
+    with pytest.raises(BundleError, match="is a Python pickle, not safetensors"):
+        load_bundle(bundle)
+    rewrite(bundle, "qfilters", payload)  # ... nor when the checksum matches
+    with pytest.raises(BundleError, match="is a Python pickle, not safetensors"):
+        load_bundle(bundle)
+
+
+def test_garbage_header(bundle):
+    rewrite(bundle, "qfilters", b"\xff" * 8 + b"{}")
+    with pytest.raises(BundleError, match="not a safetensors file or truncated"):
+        load_bundle(bundle)
+
+
+def test_writing_a_different_model_into_a_bundle_is_refused(bundle, model_fp):
+    other = {**model_fp, "weights_sha256": "0" * 64, "path": "/elsewhere"}
+    with pytest.raises(BundleError, match="Use a separate bundle dir per model"):
+        write_method(bundle, "vecinfer", vecinfer_tensors(), model_dir=other, data_fingerprint=DATA,
+                     capture_point="k_post", hyperparameters=VECINFER_HP, diagnostics={})
