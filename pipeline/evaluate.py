@@ -14,8 +14,8 @@ def main() -> None:
     bundle = str(artifacts(key) / "bundle")
     rows = [dict(r) for r in e["rows"]]
     for r in rows:
-        if is_calibrated(r):
-            r.setdefault("artifact_dir", bundle)
+        if is_calibrated(r):  # artifact_dir is relative to artifacts/<model>/; default the bundle
+            r["artifact_dir"] = str(artifacts(key) / r["artifact_dir"]) if r.get("artifact_dir") else bundle
     results = evaluate_rows(model, windows, rows, prefill=e["prefill"], chunk=e["chunk"])
     out = artifacts(key)
     write_metrics(results, out / "metrics.json")

@@ -16,26 +16,28 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.compose import ROOT, compose_params
+from pipeline.compose import ROOT
 
 MODEL = "smollm2-135m"
-TINY = [
-    "data.seq_len=128", "data.calib_windows=4", "data.eval_windows=1",
-    "capture.token_budget=512", "eval.windows=1", "eval.prefill=64", "eval.chunk=32",
-]
 
 
-def _tiny_params() -> dict:
-    params = compose_params(TINY)
-    # Keep the eval small: one row per kind, and drop trainings that need more tokens than
-    # the tiny capture holds (d8b12 wants 4096 vectors per head).
+def _shrink_conf(conf: Path) -> None:
+    """Tiny budgets, written into the copied conf/ so `dvc exp run` composes them too."""
+    def edit(rel: str, **values) -> dict:
+        path = conf / rel
+        cfg = yaml.safe_load(path.read_text())
+        cfg.update(values)
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return cfg
+
+    edit("data/pydoc.yaml", seq_len=128, calib_windows=4, eval_windows=1)
+    edit("capture/default.yaml", token_budget=512)
+    edit("method/qfilters/default.yaml", max_rows_per_head=256)
+    edit("method/vecinfer/default.yaml", iters=2, max_vectors=2048, variants={"nosmooth": {"smooth": False}})
+    rows = yaml.safe_load((conf / "eval/default.yaml").read_text())["rows"]
     keep = {"fp16", "mlx-q4", "qfilters-25%", "qfilters-25%-uncalibrated", "vecinfer-2bit",
-            "vecinfer-2bit-uncalibrated"}
-    params["eval"]["rows"] = [r for r in params["eval"]["rows"] if r["name"] in keep]
-    for name, variant in list(params.get("method", {}).get("vecinfer", {}).get("variants", {}).items()):
-        if variant.get("key_bits", 8) > 8 or variant.get("value_bits", 8) > 8:
-            del params["method"]["vecinfer"]["variants"][name]
-    return params
+            "vecinfer-2bit-uncalibrated", "vecinfer-2bit-nosmooth"}
+    edit("eval/default.yaml", windows=1, prefill=64, chunk=32, rows=[r for r in rows if r["name"] in keep])
 
 
 def _run(cmd: list[str], cwd: Path) -> str:
@@ -53,12 +55,12 @@ def repo(tmp_path_factory) -> Path:
     ).stdout.split()
     dst = tmp_path_factory.mktemp("repo")
     for rel in files:
-        if rel.startswith(("artifacts/", "tests/")) and rel != "artifacts/.gitkeep":
+        if rel.startswith(("artifacts/", "tests/")) or rel == "dvc.lock":
             continue
         if (ROOT / rel).is_file():
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, dst / rel)
-    (dst / "params.yaml").write_text(yaml.safe_dump(_tiny_params(), sort_keys=False))
+    _shrink_conf(dst / "conf")
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
                 ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tiny"]):
         subprocess.run(cmd, cwd=dst, check=True, capture_output=True)
@@ -71,7 +73,9 @@ def _dvc() -> str:
 
 @pytest.mark.slow
 def test_dvc_repro_end_to_end(repo):
-    log = _run([_dvc(), "repro"], repo)
+    # `dvc exp run -S` composes conf/ (Hydra) into params.yaml, then reproduces everything.
+    log = _run([_dvc(), "exp", "run", "-S", "eval.chunk=32"], repo)
+    assert yaml.safe_load((repo / "params.yaml").read_text())["data"]["seq_len"] == 128
     a = repo / "artifacts" / MODEL
     for rel in ("model/config.json", "data/data.json", "activations/capture.json",
                 "bundle/manifest.json", "metrics.json", "eval.csv", "eval.png"):
@@ -81,7 +85,11 @@ def test_dvc_repro_end_to_end(repo):
     assert metrics["fp16"]["kl"] == 0.0 and metrics["fp16"]["top1"] == 1.0
     assert 0 < metrics["mlx-q4"]["kl"] < 1.0
     manifest = json.loads((a / "bundle" / "manifest.json").read_text())
-    assert set(manifest["methods"]) >= {"qfilters"}
+    assert set(manifest["methods"]) == {"qfilters", "vecinfer"}
+    for row in ("qfilters-25%", "vecinfer-2bit", "vecinfer-2bit-nosmooth"):
+        assert metrics[row]["kl"] < 1.0, (row, metrics[row])
+    # the tiny calibration still beats the Gaussian codebooks upstream ships
+    assert metrics["vecinfer-2bit"]["kl"] < metrics["vecinfer-2bit-uncalibrated"]["kl"]
 
     # A second repro is a no-op.
     again = _run([_dvc(), "repro"], repo)

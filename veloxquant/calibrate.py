@@ -2,7 +2,8 @@
 
 `calibrate(method, activations_dir, model_dir, bundle_dir, data_json=..., **hyperparameters)`
 is what the DVC method stages and `veloxquant calibrate` call. Each calibrated method module
-provides `write_<method>(activations_dir, model_dir, bundle_dir, data_fingerprint, **hp)`.
+provides `write_<method>(*, activations_dir, model_dir, bundle_dir, data_fingerprint, **hp)`
+(called with keywords).
 """
 
 from __future__ import annotations
@@ -36,4 +37,5 @@ def calibrate(
         )
     module = importlib.import_module(f"veloxquant.methods.{method}")
     writer = getattr(module, f"write_{method}")
-    return writer(activations_dir, model_dir, bundle_dir, data_fingerprint(data_json, "calib"), **hyperparameters)
+    return writer(activations_dir=activations_dir, model_dir=model_dir, bundle_dir=bundle_dir,
+                  data_fingerprint=data_fingerprint(data_json, "calib"), **hyperparameters)
