@@ -24,7 +24,7 @@ import time
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+
 
 from veloxquant import KVCacheConfig, make_cache
 from veloxquant.model_import import load_model

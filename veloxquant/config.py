@@ -63,5 +63,22 @@ def make_cache(model: Any, config: KVCacheConfig | None = None) -> list:
     return module.make_caches(model, config)
 
 
-def num_layers(model: Any) -> int:
-    return len(model.layers)
+def model_dims(model_or_config: Any) -> dict[str, int]:
+    """L, H_q, H_kv, D from a model, its ModelArgs, a config.json dict or a model dir."""
+    import json
+    from pathlib import Path
+
+    src = model_or_config
+    if isinstance(src, (str, Path)):
+        path = Path(src)
+        src = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    if hasattr(src, "args"):
+        src = src.args
+    get = src.get if isinstance(src, dict) else (lambda k, d=None: getattr(src, k, d))
+    heads = int(get("num_attention_heads"))
+    return {
+        "L": int(get("num_hidden_layers")),
+        "H_q": heads,
+        "H_kv": int(get("num_key_value_heads", None) or heads),
+        "D": int(get("head_dim", None) or int(get("hidden_size")) // heads),
+    }

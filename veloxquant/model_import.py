@@ -185,7 +185,6 @@ def _import_gguf(path: Path, out: Path, dtype: str) -> None:
         raise ModelImportError("qwen2 GGUF without q/k/v biases: file looks truncated.")
     if dtype == "bfloat16":
         import mlx.core as mx
-        from safetensors.numpy import save  # noqa: F401  (bf16 goes through mx.save)
 
         with atomic_path(out / "model.safetensors") as tmp:
             mx.save_safetensors(

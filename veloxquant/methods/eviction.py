@@ -46,6 +46,8 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from veloxquant.config import model_dims
+
 CALIBRATED = False  # streamingllm and knorm use no calibration artifact
 
 DEFAULT_SINKS = 4
@@ -229,11 +231,8 @@ for _cls in (StreamingLLMCache, KNormCache):  # so load_prompt_cache can find th
 
 def model_kv_dims(model: Any) -> tuple[int, int, int]:
     """(layers, KV heads, head_dim) of an mlx-lm model."""
-    args = model.args
-    heads = args.num_attention_heads
-    kv = getattr(args, "num_key_value_heads", None) or heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
-    return len(model.layers), int(kv), int(head_dim)
+    d = model_dims(model)
+    return d["L"], d["H_kv"], d["D"]
 
 
 def make_caches(model: Any, config: Any) -> list:

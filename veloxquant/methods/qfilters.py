@@ -33,7 +33,6 @@ Knobs: budget, sinks, window (KVCacheConfig); options={"fit_tokens": 64} for the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 import numpy as np
 
+from veloxquant.config import model_dims
 from veloxquant.methods.eviction import EvictionCache, model_kv_dims
 
 CALIBRATED = True
@@ -71,24 +71,6 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     rb -= rb.mean()
     denom = np.sqrt((ra * ra).sum() * (rb * rb).sum())
     return float((ra * rb).sum() / denom) if denom > 0 else 0.0
-
-
-def _model_dims(model_config_or_model: Any) -> dict[str, int]:
-    """L, H_q, H_kv, D from a model, its ModelArgs, a config.json dict or a model dir."""
-    src = model_config_or_model
-    if isinstance(src, (str, Path)):
-        path = Path(src)
-        src = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-    if hasattr(src, "args"):
-        src = src.args
-    get = src.get if isinstance(src, dict) else (lambda k, d=None: getattr(src, k, d))
-    heads = int(get("num_attention_heads"))
-    return {
-        "L": int(get("num_hidden_layers")),
-        "H_q": heads,
-        "H_kv": int(get("num_key_value_heads", None) or heads),
-        "D": int(get("head_dim", None) or int(get("hidden_size")) // heads),
-    }
 
 
 def _split_tokens(n: int, heldout_fraction: float, max_rows: int, seed: int):
@@ -122,7 +104,7 @@ def calibrate_qfilters(
 
     from veloxquant.capture import load_activations, load_capture_info
 
-    dims = _model_dims(model_config_or_model)
+    dims = model_dims(model_config_or_model)
     L, H_q, H_kv, D = dims["L"], dims["H_q"], dims["H_kv"], dims["D"]
     if H_q % H_kv:
         raise ValueError(f"query heads {H_q} is not a multiple of KV heads {H_kv}.")
