@@ -1,0 +1,195 @@
+"""VecInfer costs, measured side by side on this machine (ratios, not absolute times).
+
+1. k-means training: `calibrate_vecinfer` on a capture dir (real activations; the default model),
+   wall time, and the distance-GEMM work it did (2·(d+1) FLOP per vector-centroid pair per
+   assignment pass) as effective GFLOP/s, next to this machine's float32 GEMM rate measured in
+   the same run (square 2048 matmul). Their ratio says how close to the GEMM roof k-means runs;
+   its thin GEMMs (inner dim d+1 = 5 or 9) are bound by writing the [vectors, centroids] scores.
+2. Encode cost per token: one layer's `encode_keys` + `encode_values` for 1 token and for a
+   64-token chunk (per token), next to the fp16 model's decode step (per token, all layers).
+3. Decode step: one-token forward of the real model with a fp16 `KVCache` vs a `VecInferCache`
+   holding 1K and 4K tokens (filled through `update_and_fetch` with random keys/values: timing does
+   not depend on their values). Steps alternate between the two arms; ratios per pair.
+
+Every timing is interleaved over `--repeats`, reported as median [min, max].
+
+    python benchmarks/bench_vecinfer.py --model-dir /tmp/smol --capture /tmp/vi/cap
+    python benchmarks/bench_vecinfer.py --model-dir /tmp/smol --skip-kmeans   # 2 and 3 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from veloxquant import KVCacheConfig, make_cache
+from veloxquant.methods.vecinfer import DEFAULTS, resolve_hyperparameters
+from veloxquant.model_import import load_model
+
+
+def fmt(xs: list[float], scale: float = 1.0, unit: str = "") -> str:
+    xs = [x * scale for x in xs]
+    return f"{statistics.median(xs):.4g}{unit} [{min(xs):.4g}, {max(xs):.4g}]"
+
+
+def gemm_gflops(repeats: int, n: int = 2048) -> list[float]:
+    a = mx.random.normal((n, n))
+    b = mx.random.normal((n, n))
+    mx.eval(a, b, a @ b)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(a @ b)
+        out.append(2 * n**3 / (time.perf_counter() - t0) / 1e9)
+    return out
+
+
+def kmeans_flops(hp: dict, n_layers: int, n_heads: int, head_dim: int, n_train: int, n_held: int) -> float:
+    """Distance-GEMM FLOPs of one calibrate_vecinfer run (assignment passes only)."""
+    total = 0.0
+    groups = n_layers * (n_heads if hp["share"] == "head" else 1)
+    per_group_tokens = n_train * (1 if hp["share"] == "head" else n_heads)
+    for side in ("key", "value"):
+        d, k = hp[f"{side}_sub_dim"], 2 ** hp[f"{side}_bits"]
+        vectors = per_group_tokens * head_dim // d
+        if hp["max_vectors"] is not None:
+            vectors = min(vectors, hp["max_vectors"])
+        held = n_held * (1 if hp["share"] == "head" else n_heads) * head_dim // d
+        passes = hp["iters"] + 1  # Lloyd iterations + final assignment
+        total += groups * (passes * vectors + held) * k * 2 * (d + 1)
+    return total
+
+
+def bench_kmeans(args, model) -> None:
+    from veloxquant.capture import load_capture_info
+    from veloxquant.methods.vecinfer import calibrate_vecinfer
+
+    hp = resolve_hyperparameters(**{k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
+    info = load_capture_info(args.capture)
+    n = int(info["n_sampled"])
+    n_held = max(1, int(round(n * hp["heldout_fraction"])))
+    a = model.args
+    flops = kmeans_flops(hp, a.num_hidden_layers, a.num_key_value_heads, a.head_dim, n - n_held, n_held)
+    rates_before = gemm_gflops(args.repeats)
+    t0 = time.perf_counter()
+    calibrate_vecinfer(args.capture, model, progress=False, **hp)
+    seconds = time.perf_counter() - t0
+    rates = rates_before + gemm_gflops(args.repeats)
+    peak = statistics.median(rates)
+    eff = flops / seconds / 1e9
+    print(f"k-means (calibrate_vecinfer) on {args.capture}: d{hp['key_sub_dim']}b{hp['key_bits']} keys, "
+          f"d{hp['value_sub_dim']}b{hp['value_bits']} values, share={hp['share']}, iters={hp['iters']}, "
+          f"max_vectors={hp['max_vectors']}, {n} captured tokens")
+    print(f"  wall {seconds:.1f} s (one run, incl. loading and held-out diagnostics); "
+          f"distance GEMMs {flops / 1e9:.1f} GFLOP -> {eff:.2f} GFLOP/s effective")
+    print(f"  float32 GEMM (2048^2, same run): {fmt(rates, unit=' GFLOP/s')}")
+    print(f"  k-means runs at {eff / peak:.3f} of the measured GEMM rate "
+          f"(at the GEMM rate it would take {flops / peak / 1e9:.1f} s)")
+
+
+def filled_caches(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 512) -> list:
+    a = model.args
+    caches = make_cache(model, config) if config else [KVCache() for _ in model.layers]
+    rng = np.random.default_rng(0)
+    for c in caches:
+        for s in range(0, n_tokens, chunk):
+            m = min(chunk, n_tokens - s)
+            x = mx.array(rng.normal(size=(1, a.num_key_value_heads, m, a.head_dim)).astype(np.float32))
+            c.update_and_fetch(x, x)
+        mx.eval([c.state for c in caches])
+    return caches
+
+
+def decode_step(model, caches, token: mx.array) -> None:
+    mx.eval(model(token, cache=caches))
+
+
+def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
+    a = model.args
+    token = mx.array([[42]])
+    cache = make_cache(model, config)[0]
+    rng = np.random.default_rng(1)
+    one = mx.array(rng.normal(size=(1, a.num_key_value_heads, 1, a.head_dim)).astype(np.float32))
+    chunk = mx.array(rng.normal(size=(1, a.num_key_value_heads, 64, a.head_dim)).astype(np.float32))
+    fp_caches = filled_caches(model, None, 1024)
+    for x in (one, chunk):
+        mx.eval(cache.encode_keys(x), cache.encode_values(x))
+    enc1, enc64, fp_step = [], [], []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        mx.eval(cache.encode_keys(one), cache.encode_values(one))
+        enc1.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        mx.eval(cache.encode_keys(chunk), cache.encode_values(chunk))
+        enc64.append((time.perf_counter() - t0) / 64)
+        t0 = time.perf_counter()
+        decode_step(model, fp_caches, token)
+        fp_step.append(time.perf_counter() - t0)
+    n_layers = len(model.layers)
+    print(f"encode (K+V, one layer, {a.num_key_value_heads} KV heads x {a.head_dim}), "
+          f"{args.repeats} interleaved repeats:")
+    print(f"  1 token:          {fmt(enc1, 1e6, ' us')} per layer; x{n_layers} layers = "
+          f"{statistics.median(enc1) * n_layers * 1e3:.3f} ms/token")
+    print(f"  64-token chunk:   {fmt(enc64, 1e6, ' us')} per token per layer")
+    print(f"  fp16 decode step at 1K context (whole model): {fmt(fp_step, 1e3, ' ms')}; encode of one "
+          f"token in all layers = {statistics.median(enc1) * n_layers / statistics.median(fp_step):.3f}"
+          " of it")
+
+    for ctx in args.contexts:
+        fp = filled_caches(model, None, ctx)
+        vi = filled_caches(model, config, ctx)
+        for caches in (fp, vi):
+            decode_step(model, caches, token)  # warm-up
+        t_fp, t_vi, ratios = [], [], []
+        for r in range(args.repeats):
+            arms = [(fp, t_fp), (vi, t_vi)] if r % 2 == 0 else [(vi, t_vi), (fp, t_fp)]
+            for caches, out in arms:
+                t0 = time.perf_counter()
+                decode_step(model, caches, token)
+                out.append(time.perf_counter() - t0)
+            ratios.append(t_vi[-1] / t_fp[-1])
+        print(f"decode step at {ctx} context ({args.repeats} interleaved pairs):")
+        print(f"  fp16 KVCache     {fmt(t_fp, 1e3, ' ms')}")
+        print(f"  vecinfer         {fmt(t_vi, 1e3, ' ms')}  (transient dequantization of all codes)")
+        print(f"  ratio vecinfer/fp16 {fmt(ratios, unit='x')}")
+        bytes_fp = sum(c.nbytes for c in fp)
+        bytes_vi = sum(c.nbytes for c in vi)
+        print(f"  resident bytes: fp16 {bytes_fp / 2**20:.2f} MiB (float32 on CPU), "
+              f"vecinfer {bytes_vi / 2**20:.2f} MiB")
+        del fp, vi
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default="artifacts/smollm2-135m/model")
+    p.add_argument("--capture", default="artifacts/smollm2-135m/capture")
+    p.add_argument("--artifact-dir", default=None,
+                   help="vecinfer bundle for the cache arms (default: uncalibrated codebooks, same cost)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--skip-kmeans", action="store_true")
+    for name in ("key_sub_dim", "key_bits", "value_sub_dim", "value_bits", "iters", "max_vectors"):
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None)
+    p.add_argument("--share", choices=["head", "layer"], default=None)
+    args = p.parse_args()
+
+    model, _ = load_model(args.model_dir)
+    if not args.skip_kmeans:
+        bench_kmeans(args, model)
+    if args.artifact_dir:
+        config = KVCacheConfig(method="vecinfer", artifact_dir=args.artifact_dir)
+    else:
+        shape = {k: getattr(args, k) for k in ("key_sub_dim", "key_bits", "value_sub_dim", "value_bits")
+                 if getattr(args, k) is not None}
+        config = KVCacheConfig(method="vecinfer", uncalibrated=True, options=shape)
+    bench_encode_and_decode(args, model, config)
+
+
+if __name__ == "__main__":
+    main()

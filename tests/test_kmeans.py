@@ -1,0 +1,112 @@
+"""Batched GEMM k-means (veloxquant/kmeans.py) on synthetic data with known answers."""
+
+from __future__ import annotations
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant.kmeans import assign, kmeans, nearest, product_kmeans, sq_distances
+
+
+def clustered(groups=3, k=16, n=2000, d=4, spread=0.05, seed=1):
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(groups, k, d)).astype(np.float32) * 5
+    labels = rng.integers(0, k, size=(groups, n))
+    x = np.take_along_axis(centers, labels[..., None], axis=1)
+    x = x + spread * rng.normal(size=x.shape).astype(np.float32)
+    return mx.array(centers), mx.array(x.astype(np.float32))
+
+
+def test_recovers_centers_and_beats_random_codebook():
+    centers, x = clustered()
+    res = kmeans(x, 16, iters=15, progress=False)
+    # every true center has a learnt centroid within a few noise widths
+    nearest_dist = mx.sqrt(sq_distances(centers, res.centroids).min(axis=-1))
+    assert float(nearest_dist.max().item()) < 0.05
+    # within-cluster error ~ d * spread^2 = 0.01
+    assert float(res.mse.max().item()) < 0.012
+    assert int(res.dead.sum().item()) == 0
+    # a random codebook (16 random data points, no iterations) is far worse
+    rand = x[:, :16]
+    _, rand_err = assign(x, rand)
+    assert float(res.mse.mean().item()) < 0.1 * float(rand_err.mean().item())
+
+
+def test_deterministic_and_seed_dependent():
+    _, x = clustered(n=1500)
+    a = kmeans(x, 32, iters=5, seed=3, progress=False)
+    b = kmeans(x, 32, iters=5, seed=3, progress=False)
+    c = kmeans(x, 32, iters=5, seed=4, progress=False)
+    assert mx.array_equal(a.centroids, b.centroids).item()
+    assert mx.array_equal(a.counts, b.counts).item()
+    assert a.history == b.history
+    assert not mx.array_equal(a.centroids, c.centroids).item()
+    s = kmeans(x, 32, iters=5, seed=3, init="sample", progress=False)
+    s2 = kmeans(x, 32, iters=5, seed=3, init="sample", progress=False)
+    assert mx.array_equal(s.centroids, s2.centroids).item()
+
+
+def test_gemm_distances_equal_brute_force():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 300, 8)).astype(np.float32) * 3
+    c = rng.normal(size=(2, 64, 8)).astype(np.float32) * 3
+    brute = ((x[:, :, None, :].astype(np.float64) - c[:, None, :, :]) ** 2).sum(-1)
+    gemm = np.array(sq_distances(mx.array(x), mx.array(c)))
+    np.testing.assert_allclose(gemm, brute, rtol=1e-4, atol=1e-3)
+    codes, err = assign(mx.array(x), mx.array(c), chunk_elems=1000)  # many chunks
+    codes = np.array(codes)
+    # same argmin as brute force except where two centroids tie within float32 rounding
+    best = brute.min(-1)
+    picked = np.take_along_axis(brute, codes[..., None].astype(np.int64), -1)[..., 0]
+    np.testing.assert_allclose(picked, best, rtol=1e-5, atol=1e-4)
+    assert (codes == brute.argmin(-1)).mean() > 0.999
+    np.testing.assert_allclose(np.array(err), best, rtol=1e-4, atol=1e-3)
+    # a shared codebook [1, K, d] broadcasts over groups
+    shared, _ = nearest(mx.array(x), mx.array(c[:1]))
+    brute_shared = ((x[:, :, None, :] - c[:1, None, :, :]) ** 2).sum(-1)
+    assert (np.array(shared) == brute_shared.argmin(-1)).mean() > 0.999
+
+
+def test_dead_centroids_are_reseeded():
+    # 24 distinct points, each repeated 20 times, 24 centroids: a sampled init almost surely
+    # picks duplicates; only reseeding to the worst-fit points reaches zero error.
+    rng = np.random.default_rng(0)
+    distinct = rng.normal(size=(1, 24, 4)).astype(np.float32) * 4
+    x = mx.array(np.repeat(distinct, 20, axis=1))
+    res = kmeans(x, 24, iters=10, init="sample", seed=0, progress=False)
+    assert int(res.dead.sum().item()) == 0
+    assert float(res.mse.max().item()) < 1e-4  # GEMM-form rounding; one merged pair costs ~1
+    assert np.array_equal(np.sort(np.array(res.counts)[0]), np.full(24, 20))
+    # its usage entropy is exactly log2(24): every code used equally
+    assert abs(float(res.usage_entropy_bits()[0].item()) - np.log2(24)) < 1e-4
+
+
+def test_product_kmeans_pools_subvectors():
+    # D=8 vectors whose two 4-dim halves come from the same 8 centers: one shared codebook of
+    # 8 centroids fits both halves.
+    centers, _ = clustered(groups=1, k=8, n=10, d=4)
+    rng = np.random.default_rng(2)
+    idx = rng.integers(0, 8, size=(1, 1000, 2))
+    halves = np.take(np.array(centers)[0], idx, axis=0)  # [1, 1000, 2, 4]
+    vecs = mx.array(halves.reshape(1, 1000, 8) + 0.01 * rng.normal(size=(1, 1000, 8)).astype(np.float32))
+    res = product_kmeans(vecs, 4, 8, iters=10, progress=False)
+    assert res.centroids.shape == (1, 8, 4)
+    assert float(res.mse.item()) < 4 * 0.01**2 * 1.5
+
+
+def test_bad_inputs():
+    _, x = clustered(n=100)
+    with pytest.raises(ValueError, match="at least 256 vectors"):
+        kmeans(x, 256, progress=False)
+    with pytest.raises(ValueError, match="need at least 64 captured tokens"):
+        product_kmeans(mx.zeros((1, 10, 16)), 4, 256, progress=False)
+    bad = np.array(x)
+    bad[0, 5, 1] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        kmeans(mx.array(bad), 4, progress=False)
+    with pytest.raises(ValueError, match="init"):
+        kmeans(x, 4, init="random", progress=False)
+    with pytest.raises(ValueError, match="divide"):
+        product_kmeans(mx.zeros((1, 10, 10)), 4, 2, progress=False)

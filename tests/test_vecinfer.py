@@ -1,0 +1,333 @@
+"""VecInfer (veloxquant/methods/vecinfer.py): transforms, code packing, the runtime cache
+contract, and calibrated-vs-uncalibrated quality on the real model with real captured activations.
+
+The module fixture captures 4 x 256 tokens of calibration prose (pydoc topics other than the
+ones `eval_text` uses) and calibrates d4b8 codebooks at a tiny k-means budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
+import numpy as np
+import pytest
+
+from veloxquant import KVCacheConfig, make_cache
+from veloxquant.methods.vecinfer import (
+    VecInferCache,
+    calibrate_vecinfer,
+    check_hadamard_dim,
+    code_bytes,
+    inverse_smooth_transform,
+    pack_codes,
+    query_transform,
+    smooth_scales,
+    smooth_transform,
+    unpack_codes,
+    write_vecinfer,
+)
+
+TINY = {"iters": 4, "max_vectors": 4096}
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2, smollm2_dir, tmp_path_factory):
+    from pydoc_data.topics import topics
+
+    from veloxquant.capture import capture_activations
+
+    model, tok = smollm2
+    text = "\n\n".join(topics[k] for k in sorted(topics)[:-12])  # eval_text uses the last 12
+    ids = np.array(tok.encode(text)[: 4 * 256], dtype=np.int32).reshape(4, 256)
+    root = tmp_path_factory.mktemp("vecinfer")
+    capture_activations(model, ids, root / "capture", token_budget=1024, seed=0, progress=False)
+    write_vecinfer(root / "bundle", root / "capture", smollm2_dir, progress=False, **TINY)
+    return {"capture": root / "capture", "bundle": root / "bundle"}
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(n)
+
+
+# ------------------------------------------------------------------------------- transforms
+
+
+def test_transform_inverts_and_preserves_attention_logits(tiny):
+    from veloxquant.capture import load_activations, load_stats
+
+    layer = 3
+    acts = load_activations(tiny["capture"], layer, ["q_post", "k_post"])
+    q, k = acts["q_post"][:200], acts["k_post"][:200]  # [n, 9, D], [n, 3, D]
+    lam = smooth_scales(load_stats(tiny["capture"])["k_post.absmax"])[layer]  # [3, D]
+    kt = smooth_transform(k, lam, True)
+    # really a different space (channels rescaled by up to ~3x and rotated)
+    assert float(mx.abs(kt - k).max().item()) > 1.0
+    np.testing.assert_allclose(np.array(inverse_smooth_transform(kt, lam, True)), np.array(k),
+                               rtol=1e-5, atol=1e-4)
+    # GQA: query head j reads KV head j // 3
+    lam_q = mx.repeat(lam, 3, axis=0)
+    k_rep = mx.repeat(k, 3, axis=1)
+    qt = query_transform(q, lam_q, True)
+    kt_rep = mx.repeat(kt, 3, axis=1)
+    logits = np.array((q[:, None] * k_rep[None]).sum(-1))  # all query/key token pairs
+    logits_t = np.array((qt[:, None] * kt_rep[None]).sum(-1))
+    np.testing.assert_allclose(logits_t, logits, rtol=1e-4, atol=1e-3)
+    # matches the explicit normalised Walsh-Hadamard matrix
+    h = hadamard_matrix(k.shape[-1])
+    np.testing.assert_allclose(np.array(kt), (np.array(k) / np.array(lam)) @ h.T, rtol=1e-4, atol=1e-4)
+
+
+def test_hadamard_needs_power_of_two():
+    check_hadamard_dim(64)
+    with pytest.raises(ValueError, match="not a power of two.*hadamard=False"):
+        check_hadamard_dim(96)
+    book = mx.zeros((1, 256, 4))
+    with pytest.raises(ValueError, match="power of two"):
+        VecInferCache(mx.ones((2, 48)), book, book, key_bits=8, key_sub_dim=4, value_bits=8,
+                      value_sub_dim=4, hadamard=True)
+    VecInferCache(mx.ones((2, 48)), book, book, key_bits=8, key_sub_dim=4, value_bits=8,
+                  value_sub_dim=4, hadamard=False)
+
+
+def test_smooth_scales_clip_and_floor():
+    absmax = np.full((2, 3, 64), 4.0, np.float32)
+    absmax[0, 1, 5] = 400.0  # one outlier channel
+    absmax[1, 2, 7] = 0.0  # one dead channel
+    lam = np.array(smooth_scales(mx.array(absmax), clip_percentile=99.9, floor=1e-2))
+    assert lam[0, 0, 0] == pytest.approx(2.0)
+    cap = np.percentile(absmax[0].ravel(), 99.9)  # 4 + 0.8 * (400 - 4), per layer
+    assert lam[0, 1, 5] == pytest.approx(math.sqrt(cap)) and 2.0 < lam[0, 1, 5] < 20.0
+    assert lam[1, 2, 7] == pytest.approx(1e-2)
+    unclipped = np.array(smooth_scales(mx.array(absmax), clip_percentile=100.0))
+    assert unclipped[0, 1, 5] == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8, 10, 12, 16])
+def test_pack_unpack_roundtrip(bits):
+    rng = np.random.default_rng(bits)
+    codes = mx.array(rng.integers(0, 2**bits, size=(2, 3, 5, 16)).astype(np.uint32))
+    packed = pack_codes(codes, bits)
+    assert packed.nbytes == 2 * 3 * 5 * code_bytes(bits, 16)
+    assert mx.array_equal(unpack_codes(packed, bits, 16), codes).item()
+
+
+def test_code_bytes():
+    assert code_bytes(8, 16) == 16  # d4b8, D=64: 2 bits/elem
+    assert code_bytes(12, 8) == 12  # d8b12, D=64: 1.5 bits/elem
+    assert code_bytes(4, 16) == 8
+    assert code_bytes(10, 16) == 32
+
+
+# ------------------------------------------------------------------------------- the cache
+
+
+def random_cache(hadamard=True, n_books=3, window=16, sinks=2, seed=0):
+    rng = np.random.default_rng(seed)
+    h, d = 3, 64
+    lam = mx.array(rng.uniform(0.5, 3.0, size=(h, d)).astype(np.float32))
+    kb = mx.array(rng.normal(size=(n_books, 256, 4)).astype(np.float32))  # d4b8
+    vb = mx.array(rng.normal(size=(n_books, 4096, 8)).astype(np.float32))  # d8b12
+    return VecInferCache(lam, kb, vb, key_bits=8, key_sub_dim=4, value_bits=12, value_sub_dim=8,
+                         hadamard=hadamard, window=window, sinks=sinks)
+
+
+def check_pq(x, packed, decoded, book, sub_dim, bits, lam=None, hadamard=False):
+    """Independent numpy check of one side of the cache: the decoded vectors are exactly the
+    codebook lookup of the stored codes (then the inverse transform), and every stored code is
+    the nearest codeword by explicit float64 distances (up to float32 near-ties)."""
+    x = np.asarray(x, np.float64)  # [B, H, T, D]
+    h_mat = hadamard_matrix(x.shape[-1])
+    if lam is not None:
+        x = x / lam[:, None, :]
+        if hadamard:
+            x = x @ h_mat.T
+    b, h, t, d = x.shape
+    m = d // sub_dim
+    codes = np.array(unpack_codes(packed, bits, m))  # [B, H, T, M]
+    book = np.asarray(book, np.float64)
+    book = np.repeat(book, h, axis=0) if book.shape[0] == 1 else book
+    rec = np.stack([book[head][codes[:, head]] for head in range(h)], axis=1).reshape(b, h, t, d)
+    if lam is not None:
+        rec = (rec @ h_mat if hadamard else rec) * lam[:, None, :]  # H is symmetric
+    np.testing.assert_allclose(np.array(decoded), rec, rtol=1e-5, atol=1e-5)
+    sub = x.reshape(b, h, t, m, sub_dim)
+    for head in range(h):
+        dist = ((sub[:, head, :, :, None, :] - book[head]) ** 2).sum(-1)  # [B, T, M, K]
+        chosen = np.take_along_axis(dist, codes[:, head][..., None].astype(np.int64), -1)[..., 0]
+        best = dist.min(-1)
+        # the GEMM form ‖x‖² − 2x·c + ‖c‖² loses ~1e-5 of ‖x‖² + ‖c‖² (~16 here) to rounding
+        np.testing.assert_allclose(chosen, best, rtol=1e-4, atol=2e-3)
+        assert (codes[:, head] == dist.argmin(-1)).mean() > 0.99
+    return rec
+
+
+@pytest.mark.parametrize("hadamard,n_books", [(True, 3), (False, 1)])
+def test_cache_roundtrip_equals_codebook_lookup(hadamard, n_books):
+    cache = random_cache(hadamard=hadamard, n_books=n_books)
+    rng = np.random.default_rng(1)
+    keys = rng.normal(size=(1, 3, 100, 64)).astype(np.float32) * 2
+    vals = rng.normal(size=(1, 3, 100, 64)).astype(np.float32)
+    out = None
+    for lo, hi in ((0, 40), (40, 41), (41, 100)):
+        out = cache.update_and_fetch(mx.array(keys[:, :, lo:hi]), mx.array(vals[:, :, lo:hi]))
+    assert cache.offset == cache.size() == 100
+    # the call's own tokens come back exactly; the whole history is returned in order
+    assert out[0].shape == (1, 3, 100, 64)
+    np.testing.assert_array_equal(np.array(out[0][:, :, 41:]), keys[:, :, 41:])
+    # 2 sinks + 82 coded + 16 window
+    assert cache.key_codes.shape[2] == cache.value_codes.shape[2] == 82
+    lam = np.array(cache.smooth)
+    kb16 = np.array(cache.key_codebook.astype(mx.float32))  # resident fp16 codebooks
+    vb16 = np.array(cache.value_codebook.astype(mx.float32))
+    exp_k = check_pq(keys[:, :, 2:84], cache.key_codes, cache.decode_keys(cache.key_codes), kb16,
+                     4, 8, lam, hadamard)
+    check_pq(vals[:, :, 2:84], cache.value_codes, cache.decode_values(cache.value_codes), vb16, 8, 12)
+    # what attention sees next: fp16 sinks, decoded codes, fp16 window, the new token exactly
+    new_k = rng.normal(size=(1, 3, 1, 64)).astype(np.float32)
+    k_out, v_out = cache.update_and_fetch(mx.array(new_k), mx.array(new_k))
+    k_out = np.array(k_out)
+    np.testing.assert_array_equal(k_out[:, :, :2], keys[:, :, :2].astype(np.float16).astype(np.float32))
+    np.testing.assert_allclose(k_out[:, :, 2:84], exp_k, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(k_out[:, :, 84:100], keys[:, :, 84:].astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(k_out[:, :, 100:], new_k)
+    assert cache.key_codes.shape[2] == 83 and cache.window_keys.shape[2] == 16
+
+
+def test_nbytes_counts_exactly_codes_window_codebooks():
+    cache = random_cache()
+    assert cache.nbytes == 3 * 256 * 4 * 2 + 3 * 4096 * 8 * 2 + 3 * 64 * 4  # codebooks + λ
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.normal(size=(1, 3, 1024, 64)).astype(np.float32))
+    cache.update_and_fetch(x, x)
+    coded = 1024 - 16 - 2
+    expected = (
+        coded * 3 * 16  # d4b8 key codes: 16 uint8 per head-vector
+        + coded * 3 * 12  # d8b12 value codes: 8 x 12 bits = 12 bytes
+        + 2 * (16 + 2) * 3 * 64 * 2  # fp16 window + sinks, K and V
+        + 3 * 256 * 4 * 2 + 3 * 4096 * 8 * 2  # fp16 codebooks, once per layer
+        + 3 * 64 * 4  # λ
+    )
+    assert cache.nbytes == expected
+    # nothing else is resident: every array the cache holds is counted
+    held = sum(v.nbytes for v in vars(cache).values() if isinstance(v, mx.array))
+    assert held == cache.nbytes
+
+
+def test_cache_contract():
+    cache = random_cache()
+    assert not hasattr(cache, "bits")  # would route attention to quantized_matmul
+    assert not hasattr(cache, "to_quantized")
+    assert mlx_cache.VecInferCache is VecInferCache
+    with pytest.raises(NotImplementedError, match="cannot be merged"):
+        VecInferCache.merge([cache, cache])
+    assert cache.empty() and cache.size() == 0
+    x = mx.zeros((1, 3, 70, 64))
+    cache.update_and_fetch(x, x)
+    assert not cache.empty()
+    mask = cache.make_mask(5, return_array=True)
+    assert mask.shape == (5, 75)
+    assert cache.make_mask(1) is None
+
+
+# ------------------------------------------------------------------------------- real model
+
+
+def test_calibration_artifact_and_determinism(tiny, smollm2_dir):
+    from veloxquant.bundle import load_bundle
+
+    bundle = load_bundle(tiny["bundle"])
+    info = bundle.method_info("vecinfer")
+    hp, diag = info["hyperparameters"], info["diagnostics"]
+    assert hp["key_bits"] == 8 and hp["key_sub_dim"] == 4 and hp["share"] == "head"
+    assert info["capture_point"] == "k_post,v"
+    stored = bundle.tensors("vecinfer")
+    assert stored["key_codebook"].shape == (30, 3, 256, 4)
+    # held-out reconstruction of real keys/values at 2 bits is good but not lossless
+    assert 0.01 < diag["mean_key_rel_mse"] < 0.15 and diag["mean_key_cos"] > 0.93
+    assert 0.01 < diag["mean_value_rel_mse"] < 0.2 and diag["mean_value_cos"] > 0.9
+    assert diag["mean_key_entropy_bits"] > 7.0  # of 8: codes are well used
+    assert len(diag["per_layer"]["key_rel_mse"]) == 30
+    tensors, _ = calibrate_vecinfer(tiny["capture"], smollm2_dir, progress=False, **TINY)
+    for name in ("smooth", "key_codebook", "value_codebook"):
+        assert mx.array_equal(tensors[name], stored[name]).item(), name
+
+
+def test_calibrated_beats_uncalibrated_and_stays_close_to_fp16(tiny, smollm2, eval_text):
+    from veloxquant.evaluate import evaluate_rows
+
+    model, tok = smollm2
+    window = np.array(tok.encode(eval_text)[:384], dtype=np.int32)[None]
+    rows = [
+        {"name": "calibrated", "method": "vecinfer", "artifact_dir": str(tiny["bundle"])},
+        {"name": "uncalibrated", "method": "vecinfer", "uncalibrated": True},
+    ]
+    cal, unc = evaluate_rows(model, window, rows, prefill=256, chunk=64, progress=False)
+    print({r["name"]: (round(r["ppl_ratio"], 3), round(r["kl"], 4), round(r["top1"], 3)) for r in (cal, unc)})
+    assert cal["ppl_ratio"] < 1.3 and cal["kl"] < 0.25 and cal["top1"] > 0.75
+    assert unc["kl"] > 5 * cal["kl"] and unc["ppl_ratio"] > 2.0
+    assert cal["kv_bits_per_element"] == pytest.approx(unc["kv_bits_per_element"])
+
+
+def test_prompt_cache_save_load_roundtrip(tiny, smollm2, tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model, tok = smollm2
+    caches = make_cache(model, KVCacheConfig(method="vecinfer", artifact_dir=str(tiny["bundle"])))
+    prompt = mx.array(tok.encode("The quick brown fox jumps over the lazy dog. " * 8)[:80])[None]
+    model(prompt, cache=caches)
+    mx.eval([c.state for c in caches])
+    save_prompt_cache(str(tmp_path / "p.safetensors"), caches)
+    loaded = load_prompt_cache(str(tmp_path / "p.safetensors"))
+    assert all(type(c) is VecInferCache for c in loaded)
+    assert loaded[0].offset == 80 and loaded[0].nbytes == caches[0].nbytes
+    nxt = mx.array([[42]])
+    a = model(nxt, cache=caches)
+    b = model(nxt, cache=loaded)
+    assert mx.array_equal(a, b).item()
+
+
+def test_generate_with_quantized_history(tiny, smollm2):
+    from mlx_lm import generate
+
+    model, tok = smollm2
+    # window 0, one sink: every other token of the prompt is coded at 2 bits.
+    cfg = KVCacheConfig(method="vecinfer", artifact_dir=str(tiny["bundle"]), window=0, sinks=1)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    caches = make_cache(model, cfg)
+    text = generate(model, tok, prompt, max_tokens=12, prompt_cache=caches)
+    assert "Paris" in text
+    assert caches[0].key_codes.shape[2] == caches[0].offset - 1
+
+
+def test_bad_inputs(tiny, smollm2, smollm2_dir, tmp_path):
+    from veloxquant.bundle import BundleError
+
+    model, _ = smollm2
+    book = mx.zeros((3, 256, 4))
+    with pytest.raises(ValueError, match=r"d4b7 needs \[3 or 1, 128, 4\]"):
+        VecInferCache(mx.ones((3, 64)), book, book, key_bits=7, key_sub_dim=4, value_bits=8,
+                      value_sub_dim=4, hadamard=True)
+    nan_book = mx.where(mx.arange(256)[None, :, None] == 3, mx.nan, mx.zeros((3, 256, 4)))
+    with pytest.raises(ValueError, match="NaN"):
+        VecInferCache(mx.ones((3, 64)), nan_book, book, key_bits=8, key_sub_dim=4, value_bits=8,
+                      value_sub_dim=4, hadamard=True)
+    with pytest.raises(ValueError, match="calibrated with key_bits=8"):
+        make_cache(model, KVCacheConfig(method="vecinfer", artifact_dir=str(tiny["bundle"]),
+                                        options={"key_bits": 12}))
+    with pytest.raises(ValueError, match="bits does not apply"):
+        make_cache(model, KVCacheConfig(method="vecinfer", artifact_dir=str(tiny["bundle"]), bits=2))
+    with pytest.raises(BundleError, match="vecinfer"):
+        make_cache(model, KVCacheConfig(method="vecinfer"))
+    # 922 training tokens x 16 sub-vectors < 65536 centroids: refuse, naming the minimum
+    # (4551 captured -> 455 held out, 4096 x 16 = 65536 training sub-vectors)
+    with pytest.raises(ValueError, match=r"65536 centroids.*need at least 4551 captured tokens"):
+        calibrate_vecinfer(tiny["capture"], smollm2_dir, key_bits=16, progress=False)
+    with pytest.raises(ValueError, match="unknown hyperparameters"):
+        write_vecinfer(tmp_path, tiny["capture"], smollm2_dir, key_bitz=8, progress=False)

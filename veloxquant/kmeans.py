@@ -1,0 +1,270 @@
+"""Batched k-means in MLX, the trainer behind product-VQ codebooks (VecInfer, CommVQ).
+
+`kmeans(x [G, N, d], K)` solves G independent problems at once: one per codebook (e.g. per
+layer and KV head). `product_kmeans(vectors [G, n, D], sub_dim, K)` splits each D-vector into
+D/sub_dim sub-vectors that share one codebook per group (VecInfer's layout) and pools them.
+
+- Distances are GEMMs: ‖x − c‖² = ‖x‖² − 2 x·cᵀ + ‖c‖², computed as one batched GEMM
+  [x | 1] · [−2c | ‖c‖²]ᵀ, chunked over points so the [G, n, K] score block stays bounded
+  (`chunk_elems`). The argmin never needs ‖x‖², so it is added back only for the error.
+- Init: k-means++ (D² sampling, on a subsample) for small K, distinct random points for large K,
+  where k-means++'s K sequential passes cost more than the Lloyd iterations themselves.
+- Empty clusters are reseeded greedily to the worst-fit points of the last assignment
+  (farthest-point style, so two dead centroids never land on one spot); the final count of dead
+  centroids is reported.
+- Deterministic: every random draw comes from `mx.random.key(seed)` splits, the per-cluster sums
+  are serial scatter-adds on the CPU, and there is no tolerance-dependent control flow that
+  differs between identical runs. Same inputs + seed give bit-identical centroids.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from tqdm.auto import tqdm
+
+# k-means++ is used up to this many centroids with init="auto" (its K sequential D²-sampling
+# passes dominate beyond it; d8b12's 4096 centroids use sampled init instead).
+KMEANS_PP_MAX_CENTROIDS = 1024
+# Points per group used for k-means++ init: enough to place K seeds well, cheap to rescan K times.
+KMEANS_PP_SAMPLE_PER_CENTROID = 16
+
+
+@dataclass
+class KMeansResult:
+    """centroids [G, K, d] f32; counts [G, K] int32 of the final assignment; mse [G] mean
+    squared error per vector; dead [G] centroids with no vector; history: mean error per
+    Lloyd iteration (before that iteration's update), over all groups."""
+
+    centroids: mx.array
+    counts: mx.array
+    mse: mx.array
+    dead: mx.array
+    history: list[float] = field(default_factory=list)
+
+    def usage_entropy_bits(self) -> mx.array:
+        """[G] entropy of the code histogram, in bits (log2 K = every code used equally)."""
+        p = self.counts.astype(mx.float32) / mx.maximum(self.counts.sum(axis=1, keepdims=True), 1)
+        return -(mx.where(p > 0, p * mx.log2(mx.maximum(p, 1e-30)), 0.0)).sum(axis=1)
+
+
+def check_finite(x: mx.array, what: str) -> None:
+    if not bool(mx.all(mx.isfinite(x)).item()):
+        n_bad = int((~mx.isfinite(x)).sum().item())
+        raise ValueError(
+            f"{what} contains {n_bad} NaN/inf values; re-run the capture (check the model "
+            "weights and the data) rather than training codebooks on them"
+        )
+
+
+def sq_distances(x: mx.array, c: mx.array) -> mx.array:
+    """‖x − c‖² for x [G, n, d], c [G, K, d] → [G, n, K], as one batched GEMM."""
+    xn = (x * x).sum(axis=-1, keepdims=True)
+    cn = (c * c).sum(axis=-1)[:, None, :]
+    return mx.maximum(mx.addmm(cn, x, c.transpose(0, 2, 1), alpha=-2.0, beta=1.0) + xn, 0.0)
+
+
+def _chunk_rows(g: int, k: int, n: int, chunk_elems: int) -> int:
+    return max(1, min(n, chunk_elems // max(1, g * k)))
+
+
+def augment_codebook(c: mx.array) -> mx.array:
+    """[G, K, d] → [G, d+1, K] = [−2c | ‖c‖²]ᵀ, so that [x | 1] @ it = ‖c‖² − 2x·c in one GEMM
+    (no separate elementwise pass over the [n, K] score block)."""
+    return mx.concatenate([-2.0 * c, (c * c).sum(axis=-1, keepdims=True)], axis=-1).transpose(0, 2, 1)
+
+
+def nearest(x: mx.array, c: mx.array, c_aug: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """Nearest centroid, lazily (no eval): x [G, n, d], c [G or 1, K, d] →
+    (codes [G, n] uint32, squared error [G, n] f32). The one argmin that training and the
+    runtime encoder share, so both break ties identically."""
+    if c_aug is None:
+        c_aug = augment_codebook(c)
+    xa = mx.concatenate([x, mx.ones((*x.shape[:-1], 1), dtype=x.dtype)], axis=-1)
+    # ‖c‖² − 2x·c; ‖x‖² is constant per row so it cannot change the argmin.
+    partial = mx.matmul(xa, c_aug)
+    codes = mx.argmin(partial, axis=-1)
+    best = mx.take_along_axis(partial, codes[..., None], axis=-1)[..., 0]
+    return codes, mx.maximum(best + (x * x).sum(axis=-1), 0.0)
+
+
+def assign(
+    x: mx.array, c: mx.array, *, chunk_elems: int = 1 << 23
+) -> tuple[mx.array, mx.array]:
+    """`nearest` over all of x [G, N, d], chunked over N so at most ~chunk_elems scores exist
+    at once, each chunk evaluated before the next is built."""
+    g, n, _ = x.shape
+    c_aug = augment_codebook(c)
+    rows = _chunk_rows(g, c.shape[1], n, chunk_elems)
+    codes, errs = [], []
+    for s in range(0, n, rows):
+        a, e = nearest(x[:, s : s + rows], c, c_aug)
+        mx.eval(a, e)
+        codes.append(a)
+        errs.append(e)
+    return mx.concatenate(codes, axis=1), mx.concatenate(errs, axis=1)
+
+
+def _gather_rows(x: mx.array, idx: mx.array) -> mx.array:
+    """x [G, N, d], idx [G, m] → [G, m, d]."""
+    return mx.take_along_axis(x, idx[..., None], axis=1)
+
+
+def _init_sample(x: mx.array, k: int, key: mx.array) -> mx.array:
+    g, n, _ = x.shape
+    order = mx.argsort(mx.random.uniform(shape=(g, n), key=key), axis=1)
+    return _gather_rows(x, order[:, :k])
+
+
+def _init_kmeans_pp(x: mx.array, k: int, key: mx.array, progress: bool, desc: str) -> mx.array:
+    g, n, d = x.shape
+    k_sub, k_first, k_steps = mx.random.split(key, 3)
+    m = min(n, max(k, KMEANS_PP_SAMPLE_PER_CENTROID * k))
+    if m < n:
+        x = _init_sample(x, m, k_sub)
+    first = mx.random.randint(0, m, shape=(g, 1), key=k_first)
+    chosen = [_gather_rows(x, first)]
+    d2 = ((x - chosen[0]) ** 2).sum(axis=-1)
+    step_keys = mx.random.split(k_steps, max(k - 1, 1))
+    for i in tqdm(range(1, k), desc=f"{desc} init (k-means++)", disable=not progress, leave=False):
+        # D² sampling; points already chosen have d2 = 0 and (log 0 → −inf) are never drawn
+        # again unless every point coincides with a centroid, where any draw is as good.
+        logits = mx.log(mx.maximum(d2, 1e-30))
+        idx = mx.random.categorical(logits, axis=-1, key=step_keys[i - 1])[:, None]
+        c = _gather_rows(x, idx)
+        chosen.append(c)
+        d2 = mx.minimum(d2, ((x - c) ** 2).sum(axis=-1))
+        if i % 16 == 0:
+            mx.eval(d2, chosen)
+    return mx.concatenate(chosen, axis=1)
+
+
+def kmeans(
+    x: mx.array,
+    n_centroids: int,
+    *,
+    iters: int = 20,
+    seed: int = 0,
+    init: str = "auto",
+    chunk_elems: int = 1 << 23,
+    progress: bool = True,
+    desc: str = "k-means",
+) -> KMeansResult:
+    """Lloyd's k-means on G independent groups at once. x [G, N, d] float32 (N ≥ n_centroids)."""
+    if x.ndim != 3:
+        raise ValueError(f"kmeans expects x of shape [groups, vectors, dim], got {x.shape}")
+    g, n, d = x.shape
+    k = int(n_centroids)
+    if k < 1:
+        raise ValueError(f"n_centroids must be >= 1, got {k}")
+    if n < k:
+        raise ValueError(
+            f"{desc}: {n} training vectors per codebook but {k} centroids; k-means needs at "
+            f"least {k} vectors per codebook (a degenerate codebook would be silently useless). "
+            "Capture more tokens (raise the capture token budget / max_vectors) or use fewer bits."
+        )
+    x = x.astype(mx.float32)
+    check_finite(x, f"{desc} training data")
+    if init == "auto":
+        init = "kmeans++" if k <= KMEANS_PP_MAX_CENTROIDS else "sample"
+    key_init, _ = mx.random.split(mx.random.key(seed))
+    if init == "kmeans++":
+        c = _init_kmeans_pp(x, k, key_init, progress, desc)
+    elif init == "sample":
+        c = _init_sample(x, k, key_init)
+    else:
+        raise ValueError(f"init must be 'auto', 'kmeans++' or 'sample', got {init!r}")
+    mx.eval(c)
+
+    history: list[float] = []
+    group_offset = (mx.arange(g, dtype=mx.uint32) * k)[:, None]
+    flat_x = x.reshape(g * n, d)
+    for _ in tqdm(range(iters), desc=desc, disable=not progress, leave=False):
+        codes, err = assign(x, c, chunk_elems=chunk_elems)
+        history.append(float(err.mean().item()))
+        flat = (codes + group_offset).reshape(-1)
+        sums = mx.zeros((g * k, d), dtype=mx.float32).at[flat].add(flat_x)
+        counts = mx.zeros((g * k,), dtype=mx.float32).at[flat].add(1.0)
+        sums, counts = sums.reshape(g, k, d), counts.reshape(g, k)
+        new_c = mx.where(counts[..., None] > 0, sums / mx.maximum(counts, 1.0)[..., None], c)
+        dead = counts == 0
+        n_dead = dead.sum(axis=1)
+        max_dead = int(n_dead.max().item())
+        if max_dead:
+            # Greedy farthest-point reseeding: the r-th dead centroid of each group moves to the
+            # point with the largest error so far, which then counts as covered, so dead
+            # centroids never land on the same spot (or on copies of one point).
+            rank = mx.cumsum(dead.astype(mx.int32), axis=1) - 1
+            for r in range(max_dead):
+                worst = mx.argmax(err, axis=1)[:, None]
+                p = _gather_rows(x, worst)
+                new_c = mx.where((dead & (rank == r))[..., None], p, new_c)
+                err = mx.where((n_dead > r)[:, None], mx.minimum(err, ((x - p) ** 2).sum(-1)), err)
+                if r % 32 == 31:
+                    mx.eval(new_c, err)
+        c = new_c
+        mx.eval(c)
+
+    codes, err = assign(x, c, chunk_elems=chunk_elems)
+    flat = (codes + group_offset).reshape(-1)
+    counts = mx.zeros((g * k,), dtype=mx.int32).at[flat].add(1).reshape(g, k)
+    result = KMeansResult(
+        centroids=c,
+        counts=counts,
+        mse=err.mean(axis=1),
+        dead=(counts == 0).sum(axis=1),
+        history=history,
+    )
+    mx.eval(result.centroids, result.counts, result.mse, result.dead)
+    return result
+
+
+def split_subvectors(vectors: mx.array, sub_dim: int) -> mx.array:
+    """[G, n, D] → [G, n·D/sub_dim, sub_dim] (sub-vectors of a vector stay consecutive)."""
+    g, n, dim = vectors.shape
+    if sub_dim < 1 or dim % sub_dim:
+        raise ValueError(f"sub_dim {sub_dim} must divide the vector dimension {dim}")
+    return vectors.reshape(g, n * (dim // sub_dim), sub_dim)
+
+
+def product_kmeans(
+    vectors: mx.array,
+    sub_dim: int,
+    n_centroids: int,
+    *,
+    max_vectors: int | None = None,
+    iters: int = 20,
+    seed: int = 0,
+    init: str = "auto",
+    chunk_elems: int = 1 << 23,
+    progress: bool = True,
+    desc: str = "product k-means",
+) -> KMeansResult:
+    """One codebook per group shared by all D/sub_dim sub-spaces. vectors [G, n, D].
+
+    max_vectors caps the training sub-vectors per group (a seeded random subset) to bound cost.
+    """
+    sub = split_subvectors(vectors.astype(mx.float32), sub_dim)
+    g, m, _ = sub.shape
+    if m < n_centroids:
+        per = vectors.shape[-1] // sub_dim
+        raise ValueError(
+            f"{desc}: {vectors.shape[1]} vectors × {per} sub-vectors = {m} training sub-vectors "
+            f"per codebook, but the codebook has {n_centroids} centroids; need at least "
+            f"{math.ceil(n_centroids / per)} captured tokens (minimum {n_centroids} sub-vectors). "
+            "Raise the capture token budget or use fewer bits."
+        )
+    if max_vectors is not None and m > max_vectors:
+        if max_vectors < n_centroids:
+            raise ValueError(
+                f"max_vectors={max_vectors} is below the {n_centroids} centroids; "
+                f"set it to at least {n_centroids}"
+            )
+        key = mx.random.split(mx.random.key(seed))[1]
+        sub = _init_sample(sub, max_vectors, key)
+    return kmeans(
+        sub, n_centroids, iters=iters, seed=seed, init=init, chunk_elems=chunk_elems,
+        progress=progress, desc=desc,
+    )
