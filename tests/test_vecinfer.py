@@ -269,8 +269,9 @@ def test_calibrated_beats_uncalibrated_and_stays_close_to_fp16(tiny, smollm2, ev
     ]
     cal, unc = evaluate_rows(model, window, rows, prefill=256, chunk=64, progress=False)
     print({r["name"]: (round(r["ppl_ratio"], 3), round(r["kl"], 4), round(r["top1"], 3)) for r in (cal, unc)})
-    assert cal["ppl_ratio"] < 1.3 and cal["kl"] < 0.25 and cal["top1"] > 0.75
-    assert unc["kl"] > 5 * cal["kl"] and unc["ppl_ratio"] > 2.0
+    # measured here: calibrated ppl x1.07, KL 0.038, top-1 0.93; uncalibrated x8.3, KL 2.1
+    assert cal["ppl_ratio"] < 1.2 and cal["kl"] < 0.12 and cal["top1"] > 0.85
+    assert unc["kl"] > 1.0 and unc["kl"] > 10 * cal["kl"] and unc["ppl_ratio"] > 3.0
     assert cal["kv_bits_per_element"] == pytest.approx(unc["kv_bits_per_element"])
 
 
