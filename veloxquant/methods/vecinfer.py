@@ -26,7 +26,7 @@ Runtime (`VecInferCache`, method "vecinfer"):
 - resident: packed codes (d4b8: one uint8 per 4 elements; 12-bit codes two per 3 bytes; see
   `code_bytes`), an fp16 window of the most recent `window` tokens (default 32), the first
   `sinks` tokens in fp16 (default 4: the attention-sink token's key is small and atypical, and
-  coding it costs most of the quality; measured below), the layer's codebooks in fp16 and λ in
+  coding it more than doubles the KL; see Measured), the layer's codebooks in fp16 and λ in
   f32. `nbytes` counts exactly these.
 - `update_and_fetch`: the tokens of the call join the fp16 window; what falls out of it is
   encoded (smooth + Hadamard, argmin by GEMM distances) and appended to the codes. Attention gets
@@ -41,6 +41,12 @@ Runtime (`VecInferCache`, method "vecinfer"):
 Uncalibrated reference (`KVCacheConfig(method="vecinfer", uncalibrated=True)`, no bundle):
 codebooks trained by the same k-means on N(0, 1) samples, tiled to the calibrated shapes, λ = 1,
 Hadamard on: what upstream ships.
+
+Measured (SmolLM2-135M, pydoc held-out windows of 1024 tokens, prefill 512, chunk 64; 8192
+captured tokens): d4b8 calibrated, first 4 eval windows ppl x1.088, KL 0.087, top-1 0.855 at
+2.76 bits; 8 further windows x1.162, KL 0.129; mlx-lm 4-bit there x1.168 / x1.201, KL 0.140 /
+0.156 at 5 bits; uncalibrated x104, KL 4.5. Keys carry nearly all the loss (one window: keys alone
+KL 0.124, values alone 0.015); without sinks KL 0.199; window 48 (2.98 bits) KL 0.082 / 0.113.
 
 Knobs: KVCacheConfig.window (fp16 recent tokens, default 32), KVCacheConfig.sinks (default 4);
 options (uncalibrated only, or checked against the artifact): key_sub_dim, key_bits, value_sub_dim, value_bits, share, hadamard.
