@@ -8,6 +8,8 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 comma  := ,
 EXTRAS := pipeline,test$(if $(filter Linux,$(shell uname -s)),$(comma)cpu)
 export DVC_NO_ANALYTICS := 1
+# DVC stage commands call `python`: it must be the venv's, not whatever is first on PATH.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 .PHONY: setup repro test params
 

@@ -41,7 +41,9 @@ def _shrink_conf(conf: Path) -> None:
 
 
 def _run(cmd: list[str], cwd: Path) -> str:
-    env = dict(os.environ, DVC_NO_ANALYTICS="1", PYTHONPATH=str(cwd))
+    # Stage commands run `python`: make it this interpreter, whatever the caller's PATH holds.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", PYTHONPATH=str(cwd), PATH=path)
     out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     return out.stdout + out.stderr
