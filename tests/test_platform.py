@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,15 @@ def test_runtime_imports_without_pipeline_dependencies():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "0"), ("1", "1")])
+def test_float32_matmuls_stay_full_precision_unless_the_user_says_otherwise(preset, expected):
+    # On CUDA (and Apple M5) MLX runs float32 matmuls as TF32 unless MLX_ENABLE_TF32=0, which
+    # mis-assigns near points in k-means (seen on an H200); importing veloxquant turns it off.
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_TF32"}
+    if preset is not None:
+        env["MLX_ENABLE_TF32"] = preset
+    code = "import os, veloxquant, mlx.core; print(os.environ.get('MLX_ENABLE_TF32'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr

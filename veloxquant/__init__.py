@@ -1,8 +1,9 @@
 """veloxquant: calibrated KV-cache compression for MLX."""
 
-from veloxquant._platform import preload_blas
+from veloxquant._platform import full_float32_matmuls, preload_blas
 
-preload_blas()  # must precede the first `import mlx.core`
+preload_blas()  # both must precede the first `import mlx.core`
+full_float32_matmuls()
 
 __version__ = "0.1.0"
 

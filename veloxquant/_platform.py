@@ -47,6 +47,16 @@ def preload_blas() -> str | None:
     return None
 
 
+def full_float32_matmuls() -> None:
+    """Keep float32 matmuls in full float32 on GPUs whose MLX backend would use TF32 (CUDA,
+    Apple M5): k-means, the codebook encoder and the capture statistics compare distances that
+    TF32's 10-bit mantissa blurs (measured on an H200: 3e-4 relative GEMM error against 1e-6 on
+    the CPU, enough to mis-assign near points and fail the k-means tests). Models run in
+    float16/bfloat16 on a GPU, so this does not slow them. Set MLX_ENABLE_TF32=1 to override."""
+    if "mlx.core" not in sys.modules:
+        os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+
 def default_dtype() -> str:
     """float32 on the CPU backend (fp16 matmul is slow there), float16 on a GPU."""
     import mlx.core as mx

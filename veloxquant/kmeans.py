@@ -13,7 +13,8 @@ D/sub_dim sub-vectors that share one codebook per group (VecInfer's layout) and 
   (farthest-point style, so two dead centroids never land on one spot); the final count of dead
   centroids is reported.
 - Deterministic: every random draw comes from `mx.random.key(seed)` splits, the per-cluster sums
-  are serial scatter-adds on the CPU, and there is no tolerance-dependent control flow that
+  are scatter-adds on the CPU stream whatever the default device (GPU atomics would
+  make them order-dependent), and there is no tolerance-dependent control flow that
   differs between identical runs. Same inputs + seed give bit-identical centroids.
 """
 
@@ -185,7 +186,10 @@ def kmeans(
         codes, err = assign(x, c, chunk_elems=chunk_elems)
         history.append(float(err.mean().item()))
         flat = (codes + group_offset).reshape(-1)
-        sums = mx.zeros((g * k, d), dtype=mx.float32).at[flat].add(flat_x)
+        # On the CPU stream: GPU scatter-adds use atomics, so their float sums depend on thread
+        # order and identical runs on Metal/CUDA would give different codebooks.
+        with mx.stream(mx.cpu):
+            sums = mx.zeros((g * k, d), dtype=mx.float32).at[flat].add(flat_x)
         counts = mx.zeros((g * k,), dtype=mx.float32).at[flat].add(1.0)
         sums, counts = sums.reshape(g, k, d), counts.reshape(g, k)
         new_c = mx.where(counts[..., None] > 0, sums / mx.maximum(counts, 1.0)[..., None], c)
