@@ -25,6 +25,7 @@ import csv
 import io
 import json
 import math
+import re
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Callable
@@ -275,24 +276,38 @@ def write_csv(results: list[dict], path_csv: str | Path) -> None:
     write_bytes_atomic(path_csv, buf.getvalue().encode())
 
 
+def _plot_series(result: dict) -> str:
+    """Rows that differ only in budget or bit width form one curve: `qfilters-25%` and
+    `qfilters-50%` are both `qfilters`, `mlx-q4` and `mlx-q8` are both `mlx-q`."""
+    name = re.sub(r"-[0-9.]+%", "", result["name"])
+    return "mlx-q" if result.get("method") == "quantized" else name
+
+
 def plot_quality_vs_bits(results: list[dict], path_png: str | Path) -> None:
-    """Two panels against KV bits per element: perplexity ratio vs fp16, and KL(fp16 || row)."""
+    """Two panels against KV bits per element: perplexity ratio vs fp16, and KL(fp16 || row).
+    One colour and marker per series (see `_plot_series`), joined by bits, and one legend."""
     import matplotlib
     import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    series: dict[str, list[dict]] = {}
+    for r in results:
+        series.setdefault(_plot_series(r), []).append(r)
+    colors = plt.get_cmap("tab20").colors
+    markers = "osD^v<>pPX*h"
     bits = [r["kv_bits_per_element"] for r in results]
-    fig, (ax_ppl, ax_kl) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_ppl, ax_kl) = plt.subplots(1, 2, figsize=(13, 4.8))
     for ax, key, title in (
         (ax_ppl, "ppl_ratio", "perplexity / fp16 perplexity (after prefill)"),
         (ax_kl, "kl", "KL(fp16 || row), nats/token (after prefill)"),
     ):
-        ys = [r[key] for r in results]
-        ax.scatter(bits, ys, zorder=3)
-        for r, x, y in zip(results, bits, ys):
-            ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        for i, (label, rows) in enumerate(series.items()):
+            rows = sorted(rows, key=lambda r: r["kv_bits_per_element"])
+            ax.plot([r["kv_bits_per_element"] for r in rows], [r[key] for r in rows],
+                    marker=markers[i % len(markers)], color=colors[i % len(colors)], lw=1,
+                    ms=6, label=label, zorder=3)
         # Bits span 1-32: a log2 axis spreads the compressed rows instead of crowding them left.
         ax.set_xscale("log", base=2)
         ax.set_xticks([b for b in (1, 2, 4, 8, 16, 32) if min(bits) / 1.5 <= b <= max(bits) * 1.5])
@@ -302,20 +317,21 @@ def plot_quality_vs_bits(results: list[dict], path_png: str | Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     ax_ppl.axhline(1.0, color="gray", lw=0.8)
-    top_ratio = max(r["ppl_ratio"] for r in results)
-    if top_ratio > 3:
-        ax_ppl.set_yscale("log")  # a broken 2-bit row would otherwise flatten all the others
-        ax_ppl.set_ylim(top=top_ratio * 2)
-    # KL spans 0 (fp16) to ~1: symlog keeps 0 on the axis and separates the small values.
-    ax_kl.set_yscale("symlog", linthresh=1e-4)
-    ax_kl.set_ylim(bottom=0, top=max(1e-3, max(r["kl"] for r in results)) * 4)
+    # Broken rows (uncalibrated VQ, 2-bit scalar) sit at 50-100x: a log axis keeps the rest apart.
+    ax_ppl.set_yscale("log")
+    ax_ppl.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    # KL spans 0 (fp16) to ~5: symlog keeps 0 on the axis and separates the small values.
+    ax_kl.set_yscale("symlog", linthresh=1e-3)
+    ax_kl.set_ylim(bottom=0, top=max(1e-2, max(r["kl"] for r in results)) * 4)
+    handles, labels = ax_kl.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
     first = results[0]
     fig.suptitle(
-        f"{first['n_windows']} windows x {first['seq_len']} tokens, prefill {first['prefill']}, "
-        f"chunk {first['chunk']}",
+        f"{first['n_windows']} held-out windows x {first['seq_len']} tokens, prefill "
+        f"{first['prefill']}, chunk {first['chunk']}",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     with atomic_path(path_png) as tmp:
         # Fixed metadata so equal results give equal bytes.
         fig.savefig(tmp, format="png", dpi=120, metadata={"Software": None})
