@@ -15,6 +15,10 @@ Every timing is interleaved over `--repeats`, reported as median [min, max].
 
     python benchmarks/bench_vecinfer.py --model-dir /tmp/smol --capture /tmp/vi/cap
     python benchmarks/bench_vecinfer.py --model-dir /tmp/smol --skip-kmeans   # 2 and 3 only
+    # GPU, without the weights: the model built from config.json with random float16 weights
+    # (timings do not depend on weight values), uncalibrated codebooks of the same shape.
+    python benchmarks/bench_vecinfer.py --random-weights cfg.json --dtype float16 --skip-kmeans \
+        --contexts 1024 4096 16384
 """
 
 from __future__ import annotations
@@ -93,14 +97,33 @@ def bench_kmeans(args, model) -> None:
           f"(at the GEMM rate it would take {flops / peak / 1e9:.1f} s)")
 
 
+def random_weights_model(config_json: str, dtype: mx.Dtype):
+    """The architecture of `config_json` with mlx's default random init, cast to `dtype`."""
+    import json
+
+    from mlx_lm.utils import _get_classes
+
+    config = json.loads(open(config_json).read())
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def model_dtype(model) -> mx.Dtype:
+    return model.model.embed_tokens.weight.dtype
+
+
 def filled_caches(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 512) -> list:
     a = model.args
     caches = make_cache(model, config) if config else [KVCache() for _ in model.layers]
     rng = np.random.default_rng(0)
+    dtype = model_dtype(model)
     for c in caches:
         for s in range(0, n_tokens, chunk):
             m = min(chunk, n_tokens - s)
-            x = mx.array(rng.normal(size=(1, a.num_key_value_heads, m, a.head_dim)).astype(np.float32))
+            x = mx.array(rng.normal(size=(1, a.num_key_value_heads, m, a.head_dim)).astype(np.float32)).astype(dtype)
             c.update_and_fetch(x, x)
         mx.eval([c.state for c in caches])
     return caches
@@ -160,7 +183,7 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
         print(f"  ratio vecinfer/fp16 {fmt(ratios, unit='x')}")
         bytes_fp = sum(c.nbytes for c in fp)
         bytes_vi = sum(c.nbytes for c in vi)
-        print(f"  resident bytes: fp16 {bytes_fp / 2**20:.2f} MiB (float32 on CPU), "
+        print(f"  resident bytes: KVCache {bytes_fp / 2**20:.2f} MiB ({model_dtype(model)}), "
               f"vecinfer {bytes_vi / 2**20:.2f} MiB")
         del fp, vi
 
@@ -174,12 +197,23 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--skip-kmeans", action="store_true")
+    p.add_argument("--random-weights", metavar="CONFIG_JSON", default=None,
+                   help="build the model from this config.json with random weights (timing only)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="model dtype (default: as loaded; float32 on CPU)")
     for name in ("key_sub_dim", "key_bits", "value_sub_dim", "value_bits", "iters", "max_vectors"):
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None)
     p.add_argument("--share", choices=["head", "layer"], default=None)
     args = p.parse_args()
 
-    model, _ = load_model(args.model_dir)
+    print(f"mlx {mx.__version__}, device {mx.default_device()}")
+    dtype = getattr(mx, args.dtype) if args.dtype else None
+    if args.random_weights:
+        model = random_weights_model(args.random_weights, dtype or mx.float32)
+    else:
+        model, _ = load_model(args.model_dir)
+        if dtype is not None:
+            model.set_dtype(dtype)
     if not args.skip_kmeans:
         bench_kmeans(args, model)
     if args.artifact_dir:
