@@ -110,3 +110,38 @@ def test_bad_inputs():
         kmeans(x, 4, init="random", progress=False)
     with pytest.raises(ValueError, match="divide"):
         product_kmeans(mx.zeros((1, 10, 10)), 4, 2, progress=False)
+
+
+def test_reseeding_equals_plain_greedy_farthest_point_per_group():
+    """`_reseed_dead` batches only the groups that still have dead centroids; it must place every
+    dead centroid exactly where one-group-at-a-time greedy farthest-point reseeding does, and
+    leave its inputs alone."""
+    from veloxquant.kmeans import _init_sample, _reseed_dead
+
+    rng = np.random.default_rng(0)
+    groups, n, k, d = 5, 1500, 300, 8
+    # few distinct points in some groups (most sampled centroids collide and die), many in others
+    x = np.stack([rng.normal(size=(m, d)).astype(np.float32)[rng.integers(0, m, n)]
+                  for m in (4, 40, 1500, 300, 12)])
+    x = mx.array(x)
+    c = _init_sample(x, k, mx.random.key(3))
+    codes, err = assign(x, c)
+    counts = np.zeros((groups, k), np.int64)
+    for g, row in enumerate(np.array(codes)):
+        np.add.at(counts[g], row, 1)
+    dead = mx.array(counts == 0)
+    n_dead = dead.sum(axis=1)
+    assert sorted(n_dead.tolist())[0] < 50 < sorted(n_dead.tolist())[-1]  # uneven, as in practice
+    c_before, err_before = np.array(c), np.array(err)
+
+    got = np.array(_reseed_dead(x, err, dead, n_dead, c))
+
+    assert np.array_equal(np.array(c), c_before) and np.array_equal(np.array(err), err_before)
+    xn, en, deadn = np.array(x), np.array(err), counts == 0
+    for g in range(groups):
+        want, e = c_before[g].copy(), en[g].copy()
+        for i in np.flatnonzero(deadn[g]):  # dead centroids in index order
+            p = xn[g, int(np.argmax(e))]
+            want[i] = p
+            e = np.minimum(e, ((xn[g] - p) ** 2).sum(-1))
+        np.testing.assert_allclose(got[g], want, rtol=0, atol=0)
