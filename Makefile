@@ -11,7 +11,7 @@ export DVC_NO_ANALYTICS := 1
 # DVC stage commands call `python`: it must be the venv's, not whatever is first on PATH.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup repro test params
+.PHONY: setup repro test lint params
 
 setup: $(VENV)/.installed
 
@@ -29,8 +29,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 repro: setup
 	$(BIN)/dvc repro
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 params: setup
 	$(BIN)/python -m pipeline.compose

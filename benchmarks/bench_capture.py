@@ -58,8 +58,11 @@ def bench_time(args) -> None:
         with tempfile.TemporaryDirectory() as d:
             capture_activations(model, tokens, d, args.budget, seed=args.seed, progress=False)
 
-    arms = {"logits": lambda: plain_logits(model, tokens),
-            "hidden": lambda: plain_hidden(model, tokens), "capture": capture}
+    arms = {
+        "logits": lambda: plain_logits(model, tokens),
+        "hidden": lambda: plain_hidden(model, tokens),
+        "capture": capture,
+    }
     for fn in arms.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {name: [] for name in arms}
@@ -73,12 +76,14 @@ def bench_time(args) -> None:
     def fmt(xs: list[float]) -> str:
         return f"{statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}]"
 
-    print(f"time: {args.num_seqs} x {args.seq_len} tokens, budget {args.budget}, "
-          f"{args.repeats} interleaved repeats; seconds median [min, max]")
+    print(
+        f"time: {args.num_seqs} x {args.seq_len} tokens, budget {args.budget}, "
+        f"{args.repeats} interleaved repeats; seconds median [min, max]"
+    )
     for name, xs in times.items():
         print(f"  {name:8s} {fmt(xs)} s")
     for base in ("logits", "hidden"):
-        ratios = [c / b for c, b in zip(times["capture"], times[base])]
+        ratios = [c / b for c, b in zip(times["capture"], times[base], strict=True)]
         print(f"  capture / plain-{base}: {fmt(ratios)}x  (goal <= 1.1x)")
 
 
@@ -103,31 +108,58 @@ def memory_child(args) -> None:
     sampler.start()
     mx.reset_peak_memory()
     with tempfile.TemporaryDirectory() as d:
-        info = capture_activations(model, tokens, d, args.memory_child, seed=args.seed,
-                                   progress=False)
+        info = capture_activations(
+            model, tokens, d, args.memory_child, seed=args.seed, progress=False
+        )
     done.set()
     sampler.join()
     rss_after = max(peak[0], rss_mb())
     n, shapes = info["n_sampled"], info["shapes"].values()
     buffer_mb = n * info["num_layers"] * sum(h * d for h, d in shapes) * 2 / 2**20
-    print(json.dumps({"budget": args.memory_child, "tokens_seen": info["tokens_seen"],
-                      "n_sampled": n, "rss_model_mb": rss_model, "peak_rss_capture_mb": rss_after,
-                      "mlx_peak_mb": mx.get_peak_memory() / 2**20, "buffers_mb": buffer_mb}))
+    print(
+        json.dumps(
+            {
+                "budget": args.memory_child,
+                "tokens_seen": info["tokens_seen"],
+                "n_sampled": n,
+                "rss_model_mb": rss_model,
+                "peak_rss_capture_mb": rss_after,
+                "mlx_peak_mb": mx.get_peak_memory() / 2**20,
+                "buffers_mb": buffer_mb,
+            }
+        )
+    )
 
 
 def bench_memory(args) -> None:
     print(f"memory: {args.num_seqs} x {args.seq_len} = {args.num_seqs * args.seq_len} tokens seen")
     for budget in (args.budget, args.large_budget):
-        cmd = [sys.executable, __file__, "--model-dir", args.model_dir, "--num-seqs",
-               str(args.num_seqs), "--seq-len", str(args.seq_len), "--seed", str(args.seed),
-               "--memory-child", str(budget)]
-        r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True)
-                       .stdout.strip().splitlines()[-1])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--model-dir",
+            args.model_dir,
+            "--num-seqs",
+            str(args.num_seqs),
+            "--seq-len",
+            str(args.seq_len),
+            "--seed",
+            str(args.seed),
+            "--memory-child",
+            str(budget),
+        ]
+        r = json.loads(
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         grow = r["peak_rss_capture_mb"] - r["rss_model_mb"]
-        print(f"  budget {r['budget']:>7d} (n={r['n_sampled']}): RSS model "
-              f"{r['rss_model_mb']:.0f} MB, peak during capture {r['peak_rss_capture_mb']:.0f} MB "
-              f"(+{grow:.0f}); sample buffers "
-              f"{r['buffers_mb']:.1f} MB; mlx peak during capture {r['mlx_peak_mb']:.0f} MB")
+        print(
+            f"  budget {r['budget']:>7d} (n={r['n_sampled']}): RSS model "
+            f"{r['rss_model_mb']:.0f} MB, peak during capture {r['peak_rss_capture_mb']:.0f} MB "
+            f"(+{grow:.0f}); sample buffers "
+            f"{r['buffers_mb']:.1f} MB; mlx peak during capture {r['mlx_peak_mb']:.0f} MB"
+        )
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ def restore(snap: list) -> list:
     KVCache's in-place slice update could not reuse its buffer and would copy all of it,
     which would make the fp16 arm look slower than it is.
     """
+
     def own(x):
         return mx.array(np.array(x)) if isinstance(x, mx.array) else x
 
@@ -54,9 +55,13 @@ def summary(xs: list[float]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="/tmp/smol")
-    p.add_argument("--bundle", default=None, help="Q-Filters bundle; without it the uncalibrated fallback runs")
+    p.add_argument(
+        "--bundle", default=None, help="Q-Filters bundle; without it the uncalibrated fallback runs"
+    )
     p.add_argument("--budget", type=float, default=128)
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--repeats", type=int, default=15)
@@ -70,10 +75,16 @@ def main() -> None:
     text = "\n\n".join(topics[k] for k in sorted(topics)[-12:])
     ids = np.array(tok.encode(text)[: args.prefill + 128], np.int32)[None]
     prompt = mx.array(ids[:, : args.prefill])
-    warm, chunk = mx.array(ids[:, args.prefill : args.prefill + 64]), mx.array(ids[:, args.prefill + 64 :])
+    warm, chunk = (
+        mx.array(ids[:, args.prefill : args.prefill + 64]),
+        mx.array(ids[:, args.prefill + 64 :]),
+    )
 
-    qf = (KVCacheConfig(method="qfilters", artifact_dir=args.bundle, budget=budget) if args.bundle
-          else KVCacheConfig(method="qfilters", uncalibrated=True, budget=budget))
+    qf = (
+        KVCacheConfig(method="qfilters", artifact_dir=args.bundle, budget=budget)
+        if args.bundle
+        else KVCacheConfig(method="qfilters", uncalibrated=True, budget=budget)
+    )
     arms = {
         "fp16": KVCacheConfig(method="fp16"),
         "qfilters" + ("" if args.bundle else "-uncal"): qf,
@@ -88,8 +99,10 @@ def main() -> None:
         # time; timing right at a regrowth would charge fp16 a copy it pays every 4th chunk)
         mx.eval(model(warm, cache=caches), [c.state for c in caches])
         snaps[name] = snapshot(caches)
-        print(f"{name:<14} at offset {caches[0].offset}: {caches[0].size()} tokens/layer, "
-              f"{sum(c.nbytes for c in caches) / 2**20:.2f} MiB resident")
+        print(
+            f"{name:<14} at offset {caches[0].offset}: {caches[0].size()} tokens/layer, "
+            f"{sum(c.nbytes for c in caches) / 2**20:.2f} MiB resident"
+        )
 
     rng = np.random.default_rng(0)
     H, D = snaps["fp16"][0][1][0].shape[1], snaps["fp16"][0][1][0].shape[3]
@@ -117,13 +130,15 @@ def main() -> None:
                     dt = work(restore(snaps[name]), n)
                     if r > 0:  # repeat 0 warms up
                         times[name].append(dt)
-            print(f"\n{level}-level, chunk {n}, budget {budget}, at offset {args.prefill + 64} "
-                  f"({args.repeats} interleaved repeats)")
+            print(
+                f"\n{level}-level, chunk {n}, budget {budget}, at offset {args.prefill + 64} "
+                f"({args.repeats} interleaved repeats)"
+            )
             for name, ts in times.items():
                 ms = [1e3 * t for t in ts]
                 line = f"  {name:<14} ms {summary(ms)}"
                 if name != "fp16":
-                    ratios = [a / b for a, b in zip(ts, times["fp16"])]
+                    ratios = [a / b for a, b in zip(ts, times["fp16"], strict=True)]
                     line += f"   ratio vs fp16 {summary(ratios)}"
                 print(line)
 

@@ -33,7 +33,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from veloxquant import KVCacheConfig, make_cache
-from veloxquant.methods.vecinfer import DEFAULTS, resolve_hyperparameters
+from veloxquant.methods.vecinfer import DEFAULTS, METHOD
 from veloxquant.model_import import load_model
 
 
@@ -54,7 +54,9 @@ def gemm_gflops(repeats: int, n: int = 2048) -> list[float]:
     return out
 
 
-def kmeans_flops(hp: dict, n_layers: int, n_heads: int, head_dim: int, n_train: int, n_held: int) -> float:
+def kmeans_flops(
+    hp: dict, n_layers: int, n_heads: int, head_dim: int, n_train: int, n_held: int
+) -> float:
     """Distance-GEMM FLOPs of one calibrate_vecinfer run (assignment passes only)."""
     total = 0.0
     groups = n_layers * (n_heads if hp["share"] == "head" else 1)
@@ -74,12 +76,16 @@ def bench_kmeans(args, model) -> None:
     from veloxquant.capture import load_capture_info
     from veloxquant.methods.vecinfer import calibrate_vecinfer
 
-    hp = resolve_hyperparameters(**{k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
+    hp = METHOD.hyperparameters(
+        {k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None}
+    )
     info = load_capture_info(args.capture)
     n = int(info["n_sampled"])
     n_held = max(1, int(round(n * hp["heldout_fraction"])))
     a = model.args
-    flops = kmeans_flops(hp, a.num_hidden_layers, a.num_key_value_heads, a.head_dim, n - n_held, n_held)
+    flops = kmeans_flops(
+        hp, a.num_hidden_layers, a.num_key_value_heads, a.head_dim, n - n_held, n_held
+    )
     rates_before = gemm_gflops(args.repeats)
     t0 = time.perf_counter()
     calibrate_vecinfer(args.capture, model, progress=False, **hp)
@@ -87,14 +93,22 @@ def bench_kmeans(args, model) -> None:
     rates = rates_before + gemm_gflops(args.repeats)
     peak = statistics.median(rates)
     eff = flops / seconds / 1e9
-    print(f"k-means (calibrate_vecinfer) on {args.capture}: d{hp['key_sub_dim']}b{hp['key_bits']} keys, "
-          f"d{hp['value_sub_dim']}b{hp['value_bits']} values, share={hp['share']}, iters={hp['iters']}, "
-          f"max_vectors={hp['max_vectors']}, {n} captured tokens")
-    print(f"  wall {seconds:.1f} s (one run, incl. loading and held-out diagnostics); "
-          f"distance GEMMs {flops / 1e9:.1f} GFLOP -> {eff:.2f} GFLOP/s effective")
+    print(
+        f"k-means (calibrate_vecinfer) on {args.capture}: "
+        f"d{hp['key_sub_dim']}b{hp['key_bits']} keys, "
+        f"d{hp['value_sub_dim']}b{hp['value_bits']} values, share={hp['share']}, "
+        f"iters={hp['iters']}, "
+        f"max_vectors={hp['max_vectors']}, {n} captured tokens"
+    )
+    print(
+        f"  wall {seconds:.1f} s (one run, incl. loading and held-out diagnostics); "
+        f"distance GEMMs {flops / 1e9:.1f} GFLOP -> {eff:.2f} GFLOP/s effective"
+    )
     print(f"  float32 GEMM (2048^2, same run): {fmt(rates, unit=' GFLOP/s')}")
-    print(f"  k-means runs at {eff / peak:.3f} of the measured GEMM rate "
-          f"(at the GEMM rate it would take {flops / peak / 1e9:.1f} s)")
+    print(
+        f"  k-means runs at {eff / peak:.3f} of the measured GEMM rate "
+        f"(at the GEMM rate it would take {flops / peak / 1e9:.1f} s)"
+    )
 
 
 def random_weights_model(config_json: str, dtype: mx.Dtype):
@@ -123,7 +137,9 @@ def filled_caches(model, config: KVCacheConfig | None, n_tokens: int, chunk: int
     for c in caches:
         for s in range(0, n_tokens, chunk):
             m = min(chunk, n_tokens - s)
-            x = mx.array(rng.normal(size=(1, a.num_key_value_heads, m, a.head_dim)).astype(np.float32)).astype(dtype)
+            x = mx.array(
+                rng.normal(size=(1, a.num_key_value_heads, m, a.head_dim)).astype(np.float32)
+            ).astype(dtype)
             c.update_and_fetch(x, x)
         mx.eval([c.state for c in caches])
     return caches
@@ -155,14 +171,21 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
         decode_step(model, fp_caches, token)
         fp_step.append(time.perf_counter() - t0)
     n_layers = len(model.layers)
-    print(f"encode (K+V, one layer, {a.num_key_value_heads} KV heads x {a.head_dim}), "
-          f"{args.repeats} interleaved repeats:")
-    print(f"  1 token:          {fmt(enc1, 1e6, ' us')} per layer; x{n_layers} layers = "
-          f"{statistics.median(enc1) * n_layers * 1e3:.3f} ms/token")
+    print(
+        f"encode (K+V, one layer, {a.num_key_value_heads} KV heads x {a.head_dim}), "
+        f"{args.repeats} interleaved repeats:"
+    )
+    print(
+        f"  1 token:          {fmt(enc1, 1e6, ' us')} per layer; x{n_layers} layers = "
+        f"{statistics.median(enc1) * n_layers * 1e3:.3f} ms/token"
+    )
     print(f"  64-token chunk:   {fmt(enc64, 1e6, ' us')} per token per layer")
-    print(f"  fp16 decode step at 1K context (whole model): {fmt(fp_step, 1e3, ' ms')}; encode of one "
-          f"token in all layers = {statistics.median(enc1) * n_layers / statistics.median(fp_step):.3f}"
-          " of it")
+    print(
+        f"  fp16 decode step at 1K context (whole model): {fmt(fp_step, 1e3, ' ms')}; "
+        "encode of one token in all layers = "
+        f"{statistics.median(enc1) * n_layers / statistics.median(fp_step):.3f}"
+        " of it"
+    )
 
     for ctx in args.contexts:
         fp = filled_caches(model, None, ctx)
@@ -179,28 +202,45 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
             ratios.append(t_vi[-1] / t_fp[-1])
         print(f"decode step at {ctx} context ({args.repeats} interleaved pairs):")
         print(f"  fp16 KVCache     {fmt(t_fp, 1e3, ' ms')}")
-        print(f"  vecinfer         {fmt(t_vi, 1e3, ' ms')}  (transient dequantization of all codes)")
+        print(
+            f"  vecinfer         {fmt(t_vi, 1e3, ' ms')}  (transient dequantization of all codes)"
+        )
         print(f"  ratio vecinfer/fp16 {fmt(ratios, unit='x')}")
         bytes_fp = sum(c.nbytes for c in fp)
         bytes_vi = sum(c.nbytes for c in vi)
-        print(f"  resident bytes: KVCache {bytes_fp / 2**20:.2f} MiB ({model_dtype(model)}), "
-              f"vecinfer {bytes_vi / 2**20:.2f} MiB")
+        print(
+            f"  resident bytes: KVCache {bytes_fp / 2**20:.2f} MiB ({model_dtype(model)}), "
+            f"vecinfer {bytes_vi / 2**20:.2f} MiB"
+        )
         del fp, vi
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-dir", default="artifacts/smollm2-135m/model")
     p.add_argument("--capture", default="artifacts/smollm2-135m/capture")
-    p.add_argument("--artifact-dir", default=None,
-                   help="vecinfer bundle for the cache arms (default: uncalibrated codebooks, same cost)")
+    p.add_argument(
+        "--artifact-dir",
+        default=None,
+        help="vecinfer bundle for the cache arms (default: uncalibrated codebooks, same cost)",
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--skip-kmeans", action="store_true")
-    p.add_argument("--random-weights", metavar="CONFIG_JSON", default=None,
-                   help="build the model from this config.json with random weights (timing only)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="model dtype (default: as loaded; float32 on CPU)")
+    p.add_argument(
+        "--random-weights",
+        metavar="CONFIG_JSON",
+        default=None,
+        help="build the model from this config.json with random weights (timing only)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="model dtype (default: as loaded; float32 on CPU)",
+    )
     for name in ("key_sub_dim", "key_bits", "value_sub_dim", "value_bits", "iters", "max_vectors"):
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None)
     p.add_argument("--share", choices=["head", "layer"], default=None)
@@ -219,8 +259,11 @@ def main() -> None:
     if args.artifact_dir:
         config = KVCacheConfig(method="vecinfer", artifact_dir=args.artifact_dir)
     else:
-        shape = {k: getattr(args, k) for k in ("key_sub_dim", "key_bits", "value_sub_dim", "value_bits")
-                 if getattr(args, k) is not None}
+        shape = {
+            k: getattr(args, k)
+            for k in ("key_sub_dim", "key_bits", "value_sub_dim", "value_bits")
+            if getattr(args, k) is not None
+        }
         config = KVCacheConfig(method="vecinfer", uncalibrated=True, options=shape)
     bench_encode_and_decode(args, model, config)
 

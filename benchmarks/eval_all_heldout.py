@@ -41,22 +41,42 @@ def heldout_windows(model_dir: Path) -> np.ndarray:
     from veloxquant.model_import import load_tokenizer
 
     data = yaml.safe_load((ROOT / "params.yaml").read_text())["data"]
-    _, eval_ds = split_calib_eval(load_text_dataset(data["source"]), data["eval_fraction"], data["seed"])
+    _, eval_ds = split_calib_eval(
+        load_text_dataset(data["source"]), data["eval_fraction"], data["seed"]
+    )
     return tokenize_windows(load_tokenizer(model_dir), eval_ds, data["seq_len"], None)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m", help="model key under artifacts/")
-    p.add_argument("--source", default="default", help="model to import (default: the embedded GGUF)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="model dtype (default: float32 on CPU, float16 on a GPU)")
-    p.add_argument("--windows", default=None, help="token shard [N, seq_len] (default: built from params.yaml)")
-    p.add_argument("--write-windows", default=None, help="only write the held-out windows here and exit")
+    p.add_argument(
+        "--source", default="default", help="model to import (default: the embedded GGUF)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="model dtype (default: float32 on CPU, float16 on a GPU)",
+    )
+    p.add_argument(
+        "--windows", default=None, help="token shard [N, seq_len] (default: built from params.yaml)"
+    )
+    p.add_argument(
+        "--write-windows", default=None, help="only write the held-out windows here and exit"
+    )
     p.add_argument("--prefill", type=int, default=None)
     p.add_argument("--chunk", type=int, default=None)
-    p.add_argument("--extra-row", action="append", default=[], type=json.loads,
-                   help='another row as JSON, e.g. \'{"name": "vecinfer-w32", "method": "vecinfer", "window": 32}\'')
+    p.add_argument(
+        "--extra-row",
+        action="append",
+        default=[],
+        type=json.loads,
+        help="another row as JSON, e.g. "
+        '\'{"name": "vecinfer-w32", "method": "vecinfer", "window": 32}\'',
+    )
     p.add_argument("--out", default="benchmarks/out/heldout")
     a = p.parse_args()
 
@@ -77,9 +97,13 @@ def main() -> None:
     rows = [dict(r) for r in conf["rows"]] + a.extra_row
     for r in rows:
         if is_calibrated(r):
-            r["artifact_dir"] = str(art / r["artifact_dir"]) if r.get("artifact_dir") else str(art / "bundle")
-    print(f"mlx {mx.__version__} on {mx.default_device()}, model {dtype}, "
-          f"{windows.shape[0]} windows x {windows.shape[1]} tokens, prefill {prefill}, chunk {chunk}")
+            r["artifact_dir"] = (
+                str(art / r["artifact_dir"]) if r.get("artifact_dir") else str(art / "bundle")
+            )
+    print(
+        f"mlx {mx.__version__} on {mx.default_device()}, model {dtype}, "
+        f"{windows.shape[0]} windows x {windows.shape[1]} tokens, prefill {prefill}, chunk {chunk}"
+    )
 
     results: list[dict] = []
     reference = {"name": "fp16", "method": "fp16"}
@@ -101,8 +125,10 @@ def main() -> None:
     write_csv(results, out / "eval.csv")
     print(f"{'row':32s} {'ppl':>8s} {'x fp16':>7s} {'KL':>7s} {'top-1':>6s} {'bits':>6s}")
     for r in results:
-        print(f"{r['name']:32s} {r['ppl']:8.3f} {r['ppl_ratio']:7.3f} {r['kl']:7.4f} "
-              f"{r['top1']:6.3f} {r['kv_bits_per_element']:6.2f}")
+        print(
+            f"{r['name']:32s} {r['ppl']:8.3f} {r['ppl_ratio']:7.3f} {r['kl']:7.4f} "
+            f"{r['top1']:6.3f} {r['kv_bits_per_element']:6.2f}"
+        )
     print(f"wrote {out / 'eval.csv'}")
 
 

@@ -33,8 +33,12 @@ ROWS = [
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", type=Path, default=None,
-                   help="imported model dir (default: import the embedded SmolLM2 into --out)")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="imported model dir (default: import the embedded SmolLM2 into --out)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/eval_baselines"))
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=1024)
@@ -52,9 +56,16 @@ def main() -> None:
     model, tokenizer = load_model(model_dir)
 
     data_dir = args.out / "data"
-    info = prepare_data(tokenizer, {"kind": "pydoc_topics"}, data_dir, seq_len=args.seq_len,
-                        calib_windows=1, eval_windows=args.windows,
-                        eval_fraction=args.eval_fraction, seed=args.seed)
+    info = prepare_data(
+        tokenizer,
+        {"kind": "pydoc_topics"},
+        data_dir,
+        seq_len=args.seq_len,
+        calib_windows=1,
+        eval_windows=args.windows,
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+    )
     windows = load_tokens(data_dir / "eval.safetensors")
 
     start = time.perf_counter()
@@ -65,17 +76,23 @@ def main() -> None:
     write_csv(results, args.out / "results.csv")
     plot_quality_vs_bits(results, args.out / "quality_vs_bits.png")
 
-    print(f"model {model_dir}; eval data sha256 {info['eval']['sha256'][:16]} "
-          f"({windows.shape[0]} x {windows.shape[1]} tokens, "
-          f"topics {info['split']['eval_topics']})")
+    print(
+        f"model {model_dir}; eval data sha256 {info['eval']['sha256'][:16]} "
+        f"({windows.shape[0]} x {windows.shape[1]} tokens, "
+        f"topics {info['split']['eval_topics']})"
+    )
     print(f"prefill {args.prefill} in one call, then chunks of {args.chunk}; {elapsed:.0f} s")
-    header = f"{'row':<18} {'ppl':>8} {'ppl_all':>8} {'ppl/fp16':>8} {'KL':>9} {'top1':>6} " \
-             f"{'KV MiB':>7} {'bits/el':>7}"
+    header = (
+        f"{'row':<18} {'ppl':>8} {'ppl_all':>8} {'ppl/fp16':>8} {'KL':>9} {'top1':>6} "
+        f"{'KV MiB':>7} {'bits/el':>7}"
+    )
     print(header)
     for r in results:
-        print(f"{r['name']:<18} {r['ppl']:8.3f} {r['ppl_all']:8.3f} {r['ppl_ratio']:8.4f} "
-              f"{r['kl']:9.5f} {r['top1']:6.3f} {r['kv_bytes'] / 2**20:7.2f} "
-              f"{r['kv_bits_per_element']:7.2f}")
+        print(
+            f"{r['name']:<18} {r['ppl']:8.3f} {r['ppl_all']:8.3f} {r['ppl_ratio']:8.4f} "
+            f"{r['kl']:9.5f} {r['top1']:6.3f} {r['kv_bytes'] / 2**20:7.2f} "
+            f"{r['kv_bits_per_element']:7.2f}"
+        )
 
 
 if __name__ == "__main__":

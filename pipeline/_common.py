@@ -27,7 +27,9 @@ def model_key_arg(description: str) -> tuple[str, dict[str, Any]]:
     key = parser.parse_args().model
     params = load_params()
     if key not in params.get("models", {}):
-        raise SystemExit(f"Unknown model {key!r}; params.yaml has {sorted(params.get('models', {}))}")
+        raise SystemExit(
+            f"Unknown model {key!r}; params.yaml has {sorted(params.get('models', {}))}"
+        )
     return key, params
 
 

@@ -1,6 +1,6 @@
 """Generate params.yaml from conf/ (Hydra), exactly as `dvc exp run` does.
 
-    python -m pipeline.compose [hydra overrides...]      e.g.  model=my-model eval.windows=8
+python -m pipeline.compose [hydra overrides...]      e.g.  model=my-model eval.windows=8
 """
 
 from __future__ import annotations

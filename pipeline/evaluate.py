@@ -2,7 +2,13 @@
 
 from pipeline._common import artifacts, model_key_arg
 from veloxquant.data import load_tokens
-from veloxquant.evaluate import evaluate_rows, is_calibrated, plot_quality_vs_bits, write_csv, write_metrics
+from veloxquant.evaluate import (
+    evaluate_rows,
+    is_calibrated,
+    plot_quality_vs_bits,
+    write_csv,
+    write_metrics,
+)
 from veloxquant.model_import import load_model
 
 
@@ -15,7 +21,9 @@ def main() -> None:
     rows = [dict(r) for r in e["rows"]]
     for r in rows:
         if is_calibrated(r):  # artifact_dir is relative to artifacts/<model>/; default the bundle
-            r["artifact_dir"] = str(artifacts(key) / r["artifact_dir"]) if r.get("artifact_dir") else bundle
+            r["artifact_dir"] = (
+                str(artifacts(key) / r["artifact_dir"]) if r.get("artifact_dir") else bundle
+            )
     results = evaluate_rows(model, windows, rows, prefill=e["prefill"], chunk=e["chunk"])
     out = artifacts(key)
     write_metrics(results, out / "metrics.json")

@@ -7,7 +7,9 @@ from veloxquant.model_import import import_model
 def main() -> None:
     key, params = model_key_arg(__doc__)
     cfg = params["models"][key]
-    out = import_model(str(cfg["source"]), artifacts(key) / "model", dtype=cfg.get("dtype", "float32"))
+    out = import_model(
+        str(cfg["source"]), artifacts(key) / "model", dtype=cfg.get("dtype", "float32")
+    )
     print(f"imported {cfg['source']} -> {out}")
 
 

@@ -38,3 +38,39 @@ def eval_text() -> str:
 
     keys = sorted(topics)
     return "\n\n".join(topics[k] for k in keys[-12:])
+
+
+@pytest.fixture(scope="session")
+def calib_dir(smollm2, tmp_path_factory) -> Path:
+    """A calibration layout like the pipeline's, from the real model on 4 x 256 tokens of pydoc
+    prose whose topics are disjoint from `eval_text`'s (which takes the last 12):
+    data/{calib.safetensors, data.json} and activations/ (a full capture of those tokens)."""
+    import numpy as np
+    from pydoc_data.topics import topics
+
+    from veloxquant.capture import capture_activations
+    from veloxquant.data import tokens_sha256
+    from veloxquant.io import save_safetensors_atomic, write_json_atomic
+
+    model, tok = smollm2
+    text = "\n\n".join(topics[k] for k in sorted(topics)[:-12])
+    ids = np.array(tok.encode(text)[: 4 * 256], np.int32).reshape(4, 256)
+    root = tmp_path_factory.mktemp("calib")
+    save_safetensors_atomic(root / "data" / "calib.safetensors", {"tokens": ids})
+    write_json_atomic(
+        root / "data" / "data.json",
+        {
+            "source": {"kind": "pydoc_topics", "topics": "all but the last 12"},
+            "seq_len": 256,
+            "calib": {
+                "file": "calib.safetensors",
+                "n_windows": 4,
+                "n_tokens": int(ids.size),
+                "sha256": tokens_sha256(ids),
+            },
+        },
+    )
+    capture_activations(
+        model, ids, root / "activations", token_budget=ids.size, seed=0, progress=False
+    )
+    return root

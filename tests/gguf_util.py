@@ -31,7 +31,11 @@ _HF_TO_GGUF = {
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row permutation: half-split RoPE pairs -> interleaved pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def gguf_name(hf: str) -> str:
@@ -57,7 +61,9 @@ def real_vocab(gguf_path: Path) -> tuple[list[str], list[str], list[int]]:
     )
 
 
-def write_gguf(model, args, arch: str, path: Path, vocab, qtype_name: str = "F32") -> dict[str, np.ndarray]:
+def write_gguf(
+    model, args, arch: str, path: Path, vocab, qtype_name: str = "F32"
+) -> dict[str, np.ndarray]:
     """Write `model` as a GGUF of `arch`; 2-D weights quantized to `qtype_name`.
 
     Returns the HF-layout float32 weights the GGUF actually encodes (after the quantization
@@ -99,7 +105,9 @@ def write_gguf(model, args, arch: str, path: Path, vocab, qtype_name: str = "F32
             data = quantize(stored, qtype)
             w.add_tensor(gguf_name(name), data, raw_dtype=qtype)
             roundtrip = dequantize(data, qtype).reshape(arr.shape)
-            if stored is not arr:  # undo the row permutation: it commutes with row-block quantization
+            if (
+                stored is not arr
+            ):  # undo the row permutation: it commutes with row-block quantization
                 inv = np.argsort(llama_cpp_permute(np.arange(arr.shape[0]), heads))
                 roundtrip = roundtrip[inv]
             encoded[name] = roundtrip

@@ -25,21 +25,31 @@ from veloxquant.bundle import (
     MANIFEST,
     BundleError,
     BundleWarning,
-    attach_model_dir,
     export_bundle,
-    fingerprint_model_dir,
-    inspect_bundle,
     load_bundle,
     merge_bundles,
     verify_bundle,
     write_method,
 )
+from veloxquant.cli import render_bundle
+from veloxquant.fingerprint import attach_model_dir, fingerprint_model_dir
 
 L, H_Q, H_KV, D = 30, 9, 3, 64  # SmolLM2-135M
-DATA = {"source": {"kind": "pydoc_topics"}, "split": "calib", "seq_len": 1024,
-        "n_tokens": 8192, "sha256": "ab" * 32}
-VECINFER_HP = {"key_bits": 8, "key_sub_dim": 4, "value_bits": 8, "value_sub_dim": 4,
-               "share": "layer"}
+DATA = {
+    "source": {"kind": "pydoc_topics"},
+    "split": "calib",
+    "seq_len": 1024,
+    "n_tokens": 8192,
+    "sha256": "ab" * 32,
+}
+VECINFER_HP = {
+    "key_bits": 8,
+    "key_sub_dim": 4,
+    "value_bits": 8,
+    "value_sub_dim": 4,
+    "hadamard": True,
+    "share": "layer",
+}
 
 
 def qfilters_tensors(seed: int = 0) -> dict[str, np.ndarray]:
@@ -66,8 +76,13 @@ def vecinfer_tensors(seed: int = 1) -> dict[str, np.ndarray]:
 
 def write_qf(bundle: Path, model_dir: Path, seed: int = 0, data: dict = DATA) -> Path:
     return write_method(
-        bundle, "qfilters", qfilters_tensors(seed), model_dir=model_dir, data_fingerprint=data,
-        capture_point="q_post", hyperparameters={"max_rows_per_head": 3000, "seed": seed},
+        bundle,
+        "qfilters",
+        qfilters_tensors(seed),
+        model_dir=model_dir,
+        data_fingerprint=data,
+        capture_point="q_post",
+        hyperparameters={"max_rows_per_head": 3000, "seed": seed},
         diagnostics={"spearman_mean": 0.7, "kappa_positive_fraction": 1.0},
     )
 
@@ -152,8 +167,16 @@ def test_determinism(tmp_path, model_fp):
 
 
 def test_refresh_one_method_leaves_the_other_untouched(bundle, model_fp):
-    write_method(bundle, "vecinfer", vecinfer_tensors(), model_dir=model_fp, data_fingerprint=DATA,
-                 capture_point="k_post", hyperparameters=VECINFER_HP, diagnostics={"mse": 0.1})
+    write_method(
+        bundle,
+        "vecinfer",
+        vecinfer_tensors(),
+        model_dir=model_fp,
+        data_fingerprint=DATA,
+        capture_point="k_post",
+        hyperparameters=VECINFER_HP,
+        diagnostics={"mse": 0.1},
+    )
     before = (bundle / "vecinfer.safetensors").read_bytes()
     entry = manifest(bundle)["methods"]["vecinfer"]
     stat = os.stat(bundle / "vecinfer.safetensors")
@@ -169,9 +192,18 @@ def test_refresh_one_method_leaves_the_other_untouched(bundle, model_fp):
 
 
 def test_inspect_and_verify(bundle, smollm2_dir):
-    text = inspect_bundle(bundle)
-    for needle in ("qfilters", "[30, 3, 64]", "capture=q_post", "layers=30", "kv_heads=3",
-                   "spearman_mean", "sha256=", "KiB", "pydoc_topics"):
+    text = render_bundle(load_bundle(bundle))
+    for needle in (
+        "qfilters",
+        "[30, 3, 64]",
+        "capture=q_post",
+        "layers=30",
+        "kv_heads=3",
+        "spearman_mean",
+        "sha256=",
+        "KiB",
+        "pydoc_topics",
+    ):
         assert needle in text, needle
     verify_bundle(bundle)
     verify_bundle(bundle, model_dir=smollm2_dir, strict=True)
@@ -188,7 +220,9 @@ def test_export_next_to_model_and_found_by_make_cache(bundle, smollm2, smollm2_d
     dest = export_bundle(bundle, model_dir)
     assert dest == model_dir / BUNDLE_SUBDIR
     assert sorted(p.name for p in dest.iterdir()) == [MANIFEST, "qfilters.safetensors"]
-    assert (dest / "qfilters.safetensors").read_bytes() == (bundle / "qfilters.safetensors").read_bytes()
+    assert (dest / "qfilters.safetensors").read_bytes() == (
+        bundle / "qfilters.safetensors"
+    ).read_bytes()
     export_bundle(bundle, model_dir)  # re-export replaces it cleanly
     assert not [p for p in model_dir.iterdir() if p.name.startswith(".")]
     verify_bundle(model_dir)  # a model dir resolves to its shipped bundle
@@ -205,11 +239,21 @@ def test_export_next_to_model_and_found_by_make_cache(bundle, smollm2, smollm2_d
 
 def test_merge_bundles(bundle, model_fp, tmp_path):
     other = tmp_path / "vi"
-    write_method(other, "vecinfer", vecinfer_tensors(), model_dir=model_fp, data_fingerprint=DATA,
-                 capture_point="k_post", hyperparameters=VECINFER_HP, diagnostics={})
+    write_method(
+        other,
+        "vecinfer",
+        vecinfer_tensors(),
+        model_dir=model_fp,
+        data_fingerprint=DATA,
+        capture_point="k_post",
+        hyperparameters=VECINFER_HP,
+        diagnostics={},
+    )
     out = merge_bundles(tmp_path / "merged", [bundle, other])
     assert load_bundle(out).methods == ["qfilters", "vecinfer"]
-    assert (out / "vecinfer.safetensors").read_bytes() == (other / "vecinfer.safetensors").read_bytes()
+    assert (out / "vecinfer.safetensors").read_bytes() == (
+        other / "vecinfer.safetensors"
+    ).read_bytes()
     with pytest.raises(BundleError, match="more than one input"):
         merge_bundles(tmp_path / "twice", [bundle, bundle])
 
@@ -237,7 +281,9 @@ def test_missing_method_names_its_stage(bundle, smollm2):
 def test_truncated_file(bundle):
     f = bundle / "qfilters.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
-    with pytest.raises(BundleError, match=r"size is \d+ bytes but the manifest says \d+ \(truncated"):
+    with pytest.raises(
+        BundleError, match=r"size is \d+ bytes but the manifest says \d+ \(truncated"
+    ):
         load_bundle(bundle)
 
 
@@ -260,8 +306,16 @@ def test_missing_tensor(bundle, model_fp):
     t = qfilters_tensors()
     del t["kappa"]
     with pytest.raises(BundleError, match="tensor 'kappa' is missing"):
-        write_method(bundle, "qfilters", t, model_dir=model_fp, data_fingerprint=DATA,
-                     capture_point="q_post", hyperparameters={}, diagnostics={})
+        write_method(
+            bundle,
+            "qfilters",
+            t,
+            model_dir=model_fp,
+            data_fingerprint=DATA,
+            capture_point="q_post",
+            hyperparameters={},
+            diagnostics={},
+        )
     rewrite(bundle, "qfilters", st_save(t))
     with pytest.raises(BundleError, match="tensor 'kappa' is missing"):
         load_bundle(bundle)
@@ -271,7 +325,9 @@ def test_wrong_shape(bundle):
     t = qfilters_tensors()
     t["filters"] = t["filters"][:, :2]
     rewrite(bundle, "qfilters", st_save(t))
-    with pytest.raises(BundleError, match=r"'filters' has shape \[30, 2, 64\], expected \[30, 3, 64\]"):
+    with pytest.raises(
+        BundleError, match=r"'filters' has shape \[30, 2, 64\], expected \[30, 3, 64\]"
+    ):
         load_bundle(bundle)
 
 
@@ -295,8 +351,16 @@ def test_nan_tensor_refused_at_write(tmp_path, model_fp):
     t = qfilters_tensors()
     t["filters"][3, 1, 5] = np.nan
     with pytest.raises(BundleError, match="'filters' contains NaN"):
-        write_method(tmp_path / "b", "qfilters", t, model_dir=model_fp, data_fingerprint=DATA,
-                     capture_point="q_post", hyperparameters={}, diagnostics={})
+        write_method(
+            tmp_path / "b",
+            "qfilters",
+            t,
+            model_dir=model_fp,
+            data_fingerprint=DATA,
+            capture_point="q_post",
+            hyperparameters={},
+            diagnostics={},
+        )
     assert not (tmp_path / "b" / MANIFEST).exists()
 
 
@@ -304,10 +368,19 @@ def _tiny_llama_dir(path: Path, tokenizer_from: Path, layers: int, kv_heads: int
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": layers,
-              "intermediate_size": 64, "num_attention_heads": 9, "num_key_value_heads": kv_heads,
-              "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 128, "rope_theta": 1e5,
-              "rope_traditional": True}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": layers,
+        "intermediate_size": 64,
+        "num_attention_heads": 9,
+        "num_key_value_heads": kv_heads,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 128,
+        "rope_theta": 1e5,
+        "rope_traditional": True,
+    }
     model = llama.Model(llama.ModelArgs(**config))
     path.mkdir(parents=True)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
@@ -326,11 +399,23 @@ def test_wrong_model_bundle(tmp_path, smollm2, smollm2_dir, layers, kv_heads, fi
     fp = fingerprint_model_dir(tiny)
     rng = np.random.default_rng(0)
     f = rng.standard_normal((layers, kv_heads, 64)).astype(np.float32)
-    t = {"filters": f / np.linalg.norm(f, axis=-1, keepdims=True),
-         "sigma1": np.ones((layers, 9), np.float32), "kappa": np.ones((layers, 9), np.float32),
-         "spearman": np.ones(layers, np.float32), "spearman_fallback": np.ones(layers, np.float32)}
-    write_method(tmp_path / "b", "qfilters", t, model_dir=fp, data_fingerprint=DATA,
-                 capture_point="q_post", hyperparameters={}, diagnostics={})
+    t = {
+        "filters": f / np.linalg.norm(f, axis=-1, keepdims=True),
+        "sigma1": np.ones((layers, 9), np.float32),
+        "kappa": np.ones((layers, 9), np.float32),
+        "spearman": np.ones(layers, np.float32),
+        "spearman_fallback": np.ones(layers, np.float32),
+    }
+    write_method(
+        tmp_path / "b",
+        "qfilters",
+        t,
+        model_dir=fp,
+        data_fingerprint=DATA,
+        capture_point="q_post",
+        hyperparameters={},
+        diagnostics={},
+    )
     load_bundle(tmp_path / "b")  # a valid bundle, just for another model
     msg = rf"{field} is {theirs} in the bundle but {ours} in the model"
     with pytest.raises(BundleError, match=msg):
@@ -338,7 +423,9 @@ def test_wrong_model_bundle(tmp_path, smollm2, smollm2_dir, layers, kv_heads, fi
     with pytest.raises(BundleError, match=msg):
         verify_bundle(tmp_path / "b", model_dir=smollm2_dir)
     with pytest.raises(BundleError, match=msg):
-        make_cache(model, KVCacheConfig(method="qfilters", artifact_dir=str(tmp_path / "b"), budget=64))
+        make_cache(
+            model, KVCacheConfig(method="qfilters", artifact_dir=str(tmp_path / "b"), budget=64)
+        )
 
 
 def test_other_copy_of_the_model_warns_or_fails_under_strict(bundle, smollm2):
@@ -353,8 +440,10 @@ def test_other_copy_of_the_model_warns_or_fails_under_strict(bundle, smollm2):
     with pytest.raises(BundleError, match="weights_sha256 differs.*strict"):
         load_bundle(bundle, model, strict=True)
     with pytest.raises(BundleError, match="weights_sha256 differs"):
-        make_cache(model, KVCacheConfig(method="qfilters", artifact_dir=str(bundle), budget=64,
-                                        strict=True))
+        make_cache(
+            model,
+            KVCacheConfig(method="qfilters", artifact_dir=str(bundle), budget=64, strict=True),
+        )
 
 
 def test_unknown_format_version(bundle):
@@ -370,9 +459,11 @@ def test_not_a_bundle(tmp_path):
 
 @pytest.mark.parametrize(
     "name, match",
-    [("../qfilters.safetensors", r"escapes the bundle dir"),
-     ("sub/../../x.safetensors", r"escapes the bundle dir"),
-     ("/etc/passwd", r"absolute path")],
+    [
+        ("../qfilters.safetensors", r"escapes the bundle dir"),
+        ("sub/../../x.safetensors", r"escapes the bundle dir"),
+        ("/etc/passwd", r"absolute path"),
+    ],
 )
 def test_path_traversal_in_manifest(bundle, name, match):
     shutil.copy(bundle / "qfilters.safetensors", bundle.parent / "qfilters.safetensors")
@@ -409,5 +500,13 @@ def test_garbage_header(bundle):
 def test_writing_a_different_model_into_a_bundle_is_refused(bundle, model_fp):
     other = {**model_fp, "weights_sha256": "0" * 64, "path": "/elsewhere"}
     with pytest.raises(BundleError, match="Use a separate bundle dir per model"):
-        write_method(bundle, "vecinfer", vecinfer_tensors(), model_dir=other, data_fingerprint=DATA,
-                     capture_point="k_post", hyperparameters=VECINFER_HP, diagnostics={})
+        write_method(
+            bundle,
+            "vecinfer",
+            vecinfer_tensors(),
+            model_dir=other,
+            data_fingerprint=DATA,
+            capture_point="k_post",
+            hyperparameters=VECINFER_HP,
+            diagnostics={},
+        )

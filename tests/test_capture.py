@@ -30,10 +30,19 @@ VOCAB = 256
 
 def tiny_llama(traditional: bool = False) -> nn.Module:
     mx.random.seed(1)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=3,
-                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                           rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0,
-                           rope_traditional=traditional, tie_word_embeddings=False)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        rope_theta=10000.0,
+        rope_traditional=traditional,
+        tie_word_embeddings=False,
+    )
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
@@ -41,10 +50,20 @@ def tiny_llama(traditional: bool = False) -> nn.Module:
 
 def tiny_qwen3() -> nn.Module:
     mx.random.seed(2)
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=64, num_hidden_layers=2,
-                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                           rms_norm_eps=1e-6, vocab_size=VOCAB, max_position_embeddings=512,
-                           head_dim=32, tie_word_embeddings=True, rope_theta=1e6)
+    args = qwen3.ModelArgs(
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        head_dim=32,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    )
     model = qwen3.Model(args)
     # Non-trivial q_norm/k_norm scales, so a capture point before the norm would show.
     for layer in model.layers:
@@ -81,6 +100,7 @@ def smol_capture(smollm2, eval_text, tmp_path_factory):
 
 # --- the forward pass is untouched -------------------------------------------------------------
 
+
 @pytest.mark.parametrize("make", ["llama", "qwen3", "smollm2"])
 def test_logits_bit_identical_and_rope_restored(make, smollm2):
     model = {"llama": tiny_llama, "qwen3": tiny_qwen3, "smollm2": lambda: smollm2[0]}[make]()
@@ -96,10 +116,15 @@ def test_logits_bit_identical_and_rope_restored(make, smollm2):
         mx.eval(plain, recorded)
         assert len(caches[0].records) == 1
         head_dim = model.args.head_dim or model.args.hidden_size // model.args.num_attention_heads
-        assert caches[0].records[0]["q_post"].shape == (1, model.args.num_attention_heads, 48,
-                                                        head_dim)
+        assert caches[0].records[0]["q_post"].shape == (
+            1,
+            model.args.num_attention_heads,
+            48,
+            head_dim,
+        )
     assert mx.array_equal(plain, recorded)
-    assert all(layer.self_attn.rope is r for layer, r in zip(model.layers, ropes_before))
+    restored = zip(model.layers, ropes_before, strict=True)
+    assert all(layer.self_attn.rope is r for layer, r in restored)
 
 
 def test_rope_restored_on_error():
@@ -108,16 +133,19 @@ def test_rope_restored_on_error():
     with pytest.raises(KeyError):
         with record_attention(model):
             raise KeyError("boom")
-    assert all(layer.self_attn.rope is r for layer, r in zip(model.layers, ropes_before))
+    restored = zip(model.layers, ropes_before, strict=True)
+    assert all(layer.self_attn.rope is r for layer, r in restored)
 
 
 # --- captured values against independent computations ----------------------------------------
 
+
 def _rope(x: np.ndarray, positions: np.ndarray, dims: int, traditional: bool, base: float):
     """RoPE each token [n, H, D] at its own position, independent of the model's rope module."""
     x = mx.array(x)[:, :, None, :]  # batch = token, so each gets its own offset
-    out = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=1.0,
-                       offset=mx.array(positions))
+    out = mx.fast.rope(
+        x, dims, traditional=traditional, base=base, scale=1.0, offset=mx.array(positions)
+    )
     return np.array(out[:, :, 0, :])
 
 
@@ -160,10 +188,19 @@ def _reference(model, tokens: np.ndarray, layer: int, qk_norm: bool) -> dict[str
         q, k = attn.q_norm(q), attn.k_norm(k)
     traditional = getattr(model.args, "rope_traditional", False)  # qwen3 has no such field
     rope = lambda x: mx.fast.rope(  # noqa: E731
-        x.transpose(0, 2, 1, 3), x.shape[-1], traditional=traditional,
-        base=model.args.rope_theta, scale=1.0, offset=0).transpose(0, 2, 1, 3)
-    return {"q_post": np.array(rope(q)), "k_pre": np.array(k), "k_post": np.array(rope(k)),
-            "v": np.array(v)}
+        x.transpose(0, 2, 1, 3),
+        x.shape[-1],
+        traditional=traditional,
+        base=model.args.rope_theta,
+        scale=1.0,
+        offset=0,
+    ).transpose(0, 2, 1, 3)
+    return {
+        "q_post": np.array(rope(q)),
+        "k_pre": np.array(k),
+        "k_post": np.array(rope(k)),
+        "v": np.array(v),
+    }
 
 
 def _check_layers(model, tokens, capture_dir, budget, seed, qk_norm, layers):
@@ -196,10 +233,10 @@ def test_matches_independent_recompute_qwen3(tmp_path):
 
 # --- stats, sampling, determinism -------------------------------------------------------------
 
+
 def test_stats_are_exact_over_all_tokens(tmp_path):
     model, tokens = tiny_llama(), random_tokens(3, 32)
-    full = capture_activations(model, tokens, tmp_path / "full", token_budget=10**6,
-                               progress=False)
+    full = capture_activations(model, tokens, tmp_path / "full", token_budget=10**6, progress=False)
     assert full["n_sampled"] == full["tokens_seen"] == 96
     stats = {k: np.array(v) for k, v in load_stats(tmp_path / "full").items()}
     for layer in range(3):
@@ -211,14 +248,17 @@ def test_stats_are_exact_over_all_tokens(tmp_path):
             tol = 2e-3 * np.abs(x).max()
             assert np.abs(stats[f"{name}.absmax"][layer] - np.abs(x).max(0)).max() <= tol
             assert np.abs(stats[f"{name}.mean"][layer] - x.mean(0)).max() <= tol
-            assert np.abs(stats[f"{name}.sq_mean"][layer] - (x * x).mean(0)).max() <= tol * \
-                np.abs(x).max()
+            assert (
+                np.abs(stats[f"{name}.sq_mean"][layer] - (x * x).mean(0)).max()
+                <= tol * np.abs(x).max()
+            )
     # A tiny budget sees the same tokens, so its stats file is byte-identical.
     small = capture_activations(model, tokens, tmp_path / "small", token_budget=7, progress=False)
     assert small["n_sampled"] == 7
     assert load_activations(tmp_path / "small", 2)["q_post"].shape == (7, 4, 16)
-    assert sha256_file(tmp_path / "small/stats.safetensors") == \
-        sha256_file(tmp_path / "full/stats.safetensors")
+    assert sha256_file(tmp_path / "small/stats.safetensors") == sha256_file(
+        tmp_path / "full/stats.safetensors"
+    )
 
 
 def test_sampling_is_deterministic_and_bounded():
@@ -233,8 +273,9 @@ def test_same_inputs_and_seed_give_identical_files(tmp_path):
     model, tokens = tiny_qwen3(), random_tokens(4, 24)
 
     def run(name: str, seed: int) -> dict[str, str]:
-        capture_activations(model, tokens, tmp_path / name, 30, seed=seed, progress=False,
-                            data_sha256="abc")
+        capture_activations(
+            model, tokens, tmp_path / name, 30, seed=seed, progress=False, data_sha256="abc"
+        )
         return {p.name: sha256_file(p) for p in sorted((tmp_path / name).iterdir())}
 
     first, second, other = run("a", 0), run("b", 0), run("c", 1)
@@ -248,14 +289,18 @@ def test_same_inputs_and_seed_give_identical_files(tmp_path):
 
 # --- bad input and failure safety -------------------------------------------------------------
 
-@pytest.mark.parametrize("tokens, budget, match", [
-    (np.zeros((0, 16), np.int32), 10, "empty"),
-    (np.zeros((4, 0), np.int32), 10, "empty"),
-    (np.zeros(16, np.int32), 10, "2-D"),
-    (np.zeros((1, 16), np.float32), 10, "integer token ids"),
-    (np.full((1, 16), VOCAB, np.int32), 10, "token ids must lie"),
-    (np.zeros((1, 16), np.int32), 0, "token_budget"),
-])
+
+@pytest.mark.parametrize(
+    "tokens, budget, match",
+    [
+        (np.zeros((0, 16), np.int32), 10, "empty"),
+        (np.zeros((4, 0), np.int32), 10, "empty"),
+        (np.zeros(16, np.int32), 10, "2-D"),
+        (np.zeros((1, 16), np.float32), 10, "integer token ids"),
+        (np.full((1, 16), VOCAB, np.int32), 10, "token ids must lie"),
+        (np.zeros((1, 16), np.int32), 0, "token_budget"),
+    ],
+)
 def test_bad_input_is_rejected(tmp_path, tokens, budget, match):
     with pytest.raises(ValueError, match=match):
         capture_activations(tiny_llama(), tokens, tmp_path, budget, progress=False)

@@ -51,8 +51,9 @@ def test_default_source_splits_topics_disjointly():
 
 
 def test_prepare_data_is_deterministic_and_fingerprinted(tokenizer, tmp_path):
-    args = dict(source=None, seq_len=1024, calib_windows=8, eval_windows=None,
-                eval_fraction=0.1, seed=0)
+    args = dict(
+        source=None, seq_len=1024, calib_windows=8, eval_windows=None, eval_fraction=0.1, seed=0
+    )
     info = prepare_data(tokenizer, out_dir=tmp_path / "a", **args)
     prepare_data(tokenizer, out_dir=tmp_path / "b", **args)
     for name in ("calib.safetensors", "eval.safetensors", "data.json"):
@@ -69,8 +70,13 @@ def test_prepare_data_is_deterministic_and_fingerprinted(tokenizer, tmp_path):
         assert info[split]["sha256"] == digest
         assert info[split]["n_tokens"] == tokens.size
         fp = data_fingerprint(tmp_path / "a" / "data.json", split)
-        assert fp == {"source": info["source"], "split": split, "seq_len": 1024,
-                      "n_tokens": tokens.size, "sha256": digest}
+        assert fp == {
+            "source": info["source"],
+            "split": split,
+            "seq_len": 1024,
+            "n_tokens": tokens.size,
+            "sha256": digest,
+        }
 
     # Each split's windows decode to exactly its own topics' text, in the seeded order.
     calib_ds, eval_ds = split_calib_eval(load_text_dataset(None), eval_fraction=0.1, seed=0)
@@ -108,13 +114,25 @@ def test_local_text_and_json_sources(tokenizer, tmp_path):
 
     rows = [{"body": p, "id": i} for i, p in enumerate(paragraphs)]
     (tmp_path / "doc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    source = {"kind": "local", "format": "json", "files": [str(tmp_path / "doc.jsonl")],
-              "text_field": "body"}
+    source = {
+        "kind": "local",
+        "format": "json",
+        "files": [str(tmp_path / "doc.jsonl")],
+        "text_field": "body",
+    }
     ds = load_text_dataset(source)
     assert ds.column_names == ["text"] and ds["text"] == paragraphs
 
-    info = prepare_data(tokenizer, source, tmp_path / "out", seq_len=16, calib_windows=4,
-                        eval_windows=2, eval_fraction=0.25, seed=3)
+    info = prepare_data(
+        tokenizer,
+        source,
+        tmp_path / "out",
+        seq_len=16,
+        calib_windows=4,
+        eval_windows=2,
+        eval_fraction=0.25,
+        seed=3,
+    )
     assert info["split"]["calib_documents"] + info["split"]["eval_documents"] == 40
     held_out = load_tokens(tmp_path / "out" / "eval.safetensors")
     assert held_out.shape == (2, 16)

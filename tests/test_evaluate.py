@@ -94,8 +94,10 @@ def test_kv_bits_per_element_from_resident_arrays(smollm2, results):
     q4_bits = 8 * n_layers * per_layer / elements
     assert results["q4"]["kv_bits_per_element"] == pytest.approx(q4_bits)
     assert 4 < results["q4"]["kv_bits_per_element"] < 6
-    assert results["q2"]["kv_bits_per_element"] < results["q4"]["kv_bits_per_element"] < (
-        results["q8"]["kv_bits_per_element"]
+    assert (
+        results["q2"]["kv_bits_per_element"]
+        < results["q4"]["kv_bits_per_element"]
+        < (results["q8"]["kv_bits_per_element"])
     )
 
     # The sliding-window cache keeps ~64 of 256 tokens: far fewer resident bytes than fp16.
@@ -137,8 +139,15 @@ def test_bad_arguments_are_named(smollm2, window):
     with pytest.raises(ValueError, match=r"prefill must be in .* = \[1, 254\]"):
         evaluate_rows(model, window, ROWS[:1], prefill=255, chunk=CHUNK, progress=False)
     with pytest.raises(ValueError, match=r"unknown keys \['bitz'\].*valid fields"):
-        evaluate_rows(model, window, [{"name": "x", "method": "quantized", "bitz": 4}],
-                      prefill=PREFILL, chunk=CHUNK, progress=False)
+        evaluate_rows(
+            model,
+            window,
+            [{"name": "x", "method": "quantized", "bitz": 4}],
+            prefill=PREFILL,
+            chunk=CHUNK,
+            progress=False,
+        )
     with pytest.raises(ValueError, match="unique"):
-        evaluate_rows(model, window, [ROWS[0], ROWS[0]], prefill=PREFILL, chunk=CHUNK,
-                      progress=False)
+        evaluate_rows(
+            model, window, [ROWS[0], ROWS[0]], prefill=PREFILL, chunk=CHUNK, progress=False
+        )

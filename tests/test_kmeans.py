@@ -90,7 +90,9 @@ def test_product_kmeans_pools_subvectors():
     rng = np.random.default_rng(2)
     idx = rng.integers(0, 8, size=(1, 1000, 2))
     halves = np.take(np.array(centers)[0], idx, axis=0)  # [1, 1000, 2, 4]
-    vecs = mx.array(halves.reshape(1, 1000, 8) + 0.01 * rng.normal(size=(1, 1000, 8)).astype(np.float32))
+    vecs = mx.array(
+        halves.reshape(1, 1000, 8) + 0.01 * rng.normal(size=(1, 1000, 8)).astype(np.float32)
+    )
     res = product_kmeans(vecs, 4, 8, iters=10, progress=False)
     assert res.centroids.shape == (1, 8, 4)
     assert float(res.mse.item()) < 4 * 0.01**2 * 1.5
@@ -121,8 +123,12 @@ def test_reseeding_equals_plain_greedy_farthest_point_per_group():
     rng = np.random.default_rng(0)
     groups, n, k, d = 5, 1500, 300, 8
     # few distinct points in some groups (most sampled centroids collide and die), many in others
-    x = np.stack([rng.normal(size=(m, d)).astype(np.float32)[rng.integers(0, m, n)]
-                  for m in (4, 40, 1500, 300, 12)])
+    x = np.stack(
+        [
+            rng.normal(size=(m, d)).astype(np.float32)[rng.integers(0, m, n)]
+            for m in (4, 40, 1500, 300, 12)
+        ]
+    )
     x = mx.array(x)
     c = _init_sample(x, k, mx.random.key(3))
     codes, err = assign(x, c)

@@ -29,15 +29,31 @@ def _tiny(kind: str):
     mx.random.seed(3)
     if kind == "llama":
         args = llama.ModelArgs(
-            model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
-            rope_theta=10000.0, tie_word_embeddings=True,
+            model_type="llama",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            vocab_size=VOCAB,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
         )
         return llama.Model(args), args
     args = qwen3.ModelArgs(
-        model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
-        max_position_embeddings=2048, rope_theta=1e6, head_dim=32, tie_word_embeddings=True,
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        max_position_embeddings=2048,
+        rope_theta=1e6,
+        head_dim=32,
+        tie_word_embeddings=True,
     )
     model = qwen3.Model(args)
     # Non-trivial norms so q_norm/k_norm mapping errors show up in the logits.
@@ -103,15 +119,24 @@ def test_garbage_file_is_clear(tmp_path):
 def test_default_model_config(smollm2_dir):
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert config["model_type"] == "llama" and config["rope_traditional"] is True
-    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (30, 9, 3)
-    assert config["head_dim"] == 64 and config["rope_theta"] == 100000.0 and config["tie_word_embeddings"]
+    assert (
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    ) == (30, 9, 3)
+    assert (
+        config["head_dim"] == 64
+        and config["rope_theta"] == 100000.0
+        and config["tie_word_embeddings"]
+    )
 
 
 def test_default_model_answers_chat_question(smollm2):
     model, tokenizer = smollm2
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=False,
+        add_generation_prompt=True,
+        tokenize=False,
     )
     assert prompt.endswith("<|im_start|>assistant\n")
     answer = generate(model, tokenizer, prompt, max_tokens=20)

@@ -23,6 +23,7 @@ MODEL = "smollm2-135m"
 
 def _shrink_conf(conf: Path) -> None:
     """Tiny budgets, written into the copied conf/ so `dvc exp run` composes them too."""
+
     def edit(rel: str, **values) -> dict:
         path = conf / rel
         cfg = yaml.safe_load(path.read_text())
@@ -33,11 +34,29 @@ def _shrink_conf(conf: Path) -> None:
     edit("data/pydoc.yaml", seq_len=128, calib_windows=4, eval_windows=1)
     edit("capture/default.yaml", token_budget=512)
     edit("method/qfilters/default.yaml", max_rows_per_head=256)
-    edit("method/vecinfer/default.yaml", iters=2, max_vectors=2048, variants={"nosmooth": {"smooth": False}})
+    edit(
+        "method/vecinfer/default.yaml",
+        iters=2,
+        max_vectors=2048,
+        variants={"nosmooth": {"smooth": False}},
+    )
     rows = yaml.safe_load((conf / "eval/default.yaml").read_text())["rows"]
-    keep = {"fp16", "mlx-q4", "qfilters-25%", "qfilters-25%-uncalibrated", "vecinfer-2bit",
-            "vecinfer-2bit-uncalibrated", "vecinfer-2bit-nosmooth"}
-    edit("eval/default.yaml", windows=1, prefill=64, chunk=32, rows=[r for r in rows if r["name"] in keep])
+    keep = {
+        "fp16",
+        "mlx-q4",
+        "qfilters-25%",
+        "qfilters-25%-uncalibrated",
+        "vecinfer-2bit",
+        "vecinfer-2bit-uncalibrated",
+        "vecinfer-2bit-nosmooth",
+    }
+    edit(
+        "eval/default.yaml",
+        windows=1,
+        prefill=64,
+        chunk=32,
+        rows=[r for r in rows if r["name"] in keep],
+    )
 
 
 def _run(cmd: list[str], cwd: Path) -> str:
@@ -45,7 +64,9 @@ def _run(cmd: list[str], cwd: Path) -> str:
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     env = dict(os.environ, DVC_NO_ANALYTICS="1", PYTHONPATH=str(cwd), PATH=path)
     out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    assert out.returncode == 0, (
+        f"{' '.join(cmd)} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    )
     return out.stdout + out.stderr
 
 
@@ -53,7 +74,10 @@ def _run(cmd: list[str], cwd: Path) -> str:
 def repo(tmp_path_factory) -> Path:
     files = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     dst = tmp_path_factory.mktemp("repo")
     for rel in files:
@@ -63,8 +87,11 @@ def repo(tmp_path_factory) -> Path:
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, dst / rel)
     _shrink_conf(dst / "conf")
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tiny"]):
+    for cmd in (
+        ["git", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tiny"],
+    ):
         subprocess.run(cmd, cwd=dst, check=True, capture_output=True)
     return dst
 
@@ -79,8 +106,15 @@ def test_dvc_repro_end_to_end(repo):
     log = _run([_dvc(), "exp", "run", "-S", "eval.chunk=32"], repo)
     assert yaml.safe_load((repo / "params.yaml").read_text())["data"]["seq_len"] == 128
     a = repo / "artifacts" / MODEL
-    for rel in ("model/config.json", "data/data.json", "activations/capture.json",
-                "bundle/manifest.json", "metrics.json", "eval.csv", "eval.png"):
+    for rel in (
+        "model/config.json",
+        "data/data.json",
+        "activations/capture.json",
+        "bundle/manifest.json",
+        "metrics.json",
+        "eval.csv",
+        "eval.png",
+    ):
         assert (a / rel).is_file(), f"missing {rel}\n{log[-3000:]}"
 
     metrics = json.loads((a / "metrics.json").read_text())
@@ -102,10 +136,31 @@ def test_dvc_repro_end_to_end(repo):
     params["eval"]["chunk"] = 16
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     rerun = _run([_dvc(), "repro"], repo)
-    ran = sorted({line.split("'")[1] for line in rerun.splitlines() if line.startswith("Running stage")})
+    ran = sorted(
+        {line.split("'")[1] for line in rerun.splitlines() if line.startswith("Running stage")}
+    )
     assert ran == [f"evaluate@{MODEL}"], rerun
 
+    # Each stage depends on the code it runs: a k-means change reruns vecinfer and evaluate only.
+    kmeans = repo / "veloxquant" / "kmeans.py"
+    original = kmeans.read_text()
+    kmeans.write_text(original + "\n# changed\n")
+    status = _run([_dvc(), "status", "--json"], repo).strip().splitlines()
+    stale = sorted(json.loads(next(line for line in status if line.startswith("{"))))
+    kmeans.write_text(original)
+    assert stale == [f"evaluate@{MODEL}", f"vecinfer@{MODEL}"], stale
+
     # The pipeline's bundle verifies against its model through the CLI.
-    out = _run([str(Path(sys.executable).parent / "veloxquant"), "bundle", "verify",
-                str(a / "bundle"), "--model", str(a / "model"), "--strict"], repo)
+    out = _run(
+        [
+            str(Path(sys.executable).parent / "veloxquant"),
+            "bundle",
+            "verify",
+            str(a / "bundle"),
+            "--model",
+            str(a / "model"),
+            "--strict",
+        ],
+        repo,
+    )
     assert "OK" in out

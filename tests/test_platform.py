@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import veloxquant
 from veloxquant import _platform
 
 
@@ -17,15 +16,17 @@ from veloxquant import _platform
 def test_openblas_is_preloaded_before_mlx():
     assert _platform.blas_library == "libblas.so.3"
     maps = Path("/proc/self/maps").read_text()
-    assert "openblas" in maps, "libblas.so.3 must resolve to OpenBLAS (apt-get install libopenblas0-pthread)"
+    assert "openblas" in maps, (
+        "libblas.so.3 must resolve to OpenBLAS (apt-get install libopenblas0-pthread)"
+    )
 
 
 def test_runtime_imports_without_pipeline_dependencies():
     """Caches and bundle loading need only mlx, mlx-lm, numpy and safetensors."""
     code = (
         "import sys\n"
-        "for name in ('dvc', 'hydra', 'omegaconf', 'datasets', 'gguf', 'matplotlib'):\n"  # tqdm stays: mlx-lm itself imports it
-
+        # tqdm stays: mlx-lm itself imports it
+        "for name in ('dvc', 'hydra', 'omegaconf', 'datasets', 'gguf', 'matplotlib'):\n"
         "    sys.modules[name] = None  # makes `import name` raise ImportError\n"
         "import veloxquant\n"
         "from veloxquant import KVCacheConfig, make_cache, load_bundle\n"

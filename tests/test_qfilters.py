@@ -14,12 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import llama
-from mlx_lm.models.cache import (
-    KVCache,
-    RotatingKVCache,
-    load_prompt_cache,
-    save_prompt_cache,
-)
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from veloxquant import KVCacheConfig, make_cache
 from veloxquant.methods.eviction import KNormCache, StreamingLLMCache
@@ -28,7 +23,6 @@ from veloxquant.methods.qfilters import (
     calibrate_qfilters,
     key_axis,
     validate_filters,
-    write_qfilters,
 )
 
 H, D = 3, 8
@@ -57,7 +51,9 @@ def feed(cache, keys: np.ndarray, chunks: list[int]):
     t = 0
     for c in chunks:
         k = mx.array(keys[None, :, t : t + c])
-        v = mx.broadcast_to(mx.arange(t, t + c, dtype=mx.float32)[None, None, :, None], (1, H, c, D))
+        v = mx.broadcast_to(
+            mx.arange(t, t + c, dtype=mx.float32)[None, None, :, None], (1, H, c, D)
+        )
         out_k, out_v = cache.update_and_fetch(k, v)
         assert out_k.shape[2] == out_v.shape[2] and out_v[0, 0, -1, 0].item() == t + c - 1
         t += c
@@ -74,7 +70,9 @@ def test_qfilters_cache_keeps_sinks_window_and_highest_scores():
     keys = rng.standard_normal((H, T, D)).astype(np.float32)
     f = rng.standard_normal((H, D))
     f /= np.linalg.norm(f, axis=-1, keepdims=True)
-    keys += ((scores - (keys @ f[:, :, None])[..., 0])[..., None] * f[:, None, :]).astype(np.float32)
+    keys += ((scores - (keys @ f[:, :, None])[..., 0])[..., None] * f[:, None, :]).astype(
+        np.float32
+    )
     cache = QFiltersCache(mx.array(f, mx.float32), budget=24, sinks=3, window=5)
     kept = feed(cache, keys, CHUNKS)
     assert kept == simulate(scores, CHUNKS, 24, 3, 5)
@@ -88,8 +86,12 @@ def test_knorm_keeps_lowest_norm_and_streamingllm_the_most_recent():
     T = sum(CHUNKS)
     norms = rng.uniform(0.5, 3.0, (H, T))
     dirs = rng.standard_normal((H, T, D))
-    keys = (dirs / np.linalg.norm(dirs, axis=-1, keepdims=True) * norms[..., None]).astype(np.float32)
-    assert feed(KNormCache(20, sinks=2, window=4), keys, CHUNKS) == simulate(-norms, CHUNKS, 20, 2, 4)
+    keys = (dirs / np.linalg.norm(dirs, axis=-1, keepdims=True) * norms[..., None]).astype(
+        np.float32
+    )
+    assert feed(KNormCache(20, sinks=2, window=4), keys, CHUNKS) == simulate(
+        -norms, CHUNKS, 20, 2, 4
+    )
     recency = np.broadcast_to(np.arange(T, dtype=float), (H, T))
     kept = feed(StreamingLLMCache(20, sinks=4, window=1), keys, CHUNKS)
     assert kept == simulate(recency, CHUNKS, 20, 4, 1)
@@ -100,8 +102,9 @@ def test_fraction_budget_grows_with_offset():
     cache = KNormCache(0.25)
     rng = np.random.default_rng(2)
     for total in (64, 128, 192, 256):
-        cache.update_and_fetch(mx.array(rng.standard_normal((1, H, 64, D)), mx.float32),
-                               mx.zeros((1, H, 64, D)))
+        cache.update_and_fetch(
+            mx.array(rng.standard_normal((1, H, 64, D)), mx.float32), mx.zeros((1, H, 64, D))
+        )
         assert cache.offset == total
         assert cache.size() == total // 4
     assert cache.nbytes == 2 * H * 64 * D * 4
@@ -109,11 +112,13 @@ def test_fraction_budget_grows_with_offset():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"budget": 10, "sinks": 4, "window": 8}, r"smaller than sinks \+ window = 4 \+ 8"),
-     ({"budget": None}, "need a budget"),
-     ({"budget": 1.5}, "neither a token count"),
-     ({"budget": -3}, "neither a token count"),
-     ({"budget": 64, "sinks": -1}, "sinks must be an integer")],
+    [
+        ({"budget": 10, "sinks": 4, "window": 8}, r"smaller than sinks \+ window = 4 \+ 8"),
+        ({"budget": None}, "need a budget"),
+        ({"budget": 1.5}, "neither a token count"),
+        ({"budget": -3}, "neither a token count"),
+        ({"budget": 64, "sinks": -1}, "sinks must be an integer"),
+    ],
 )
 def test_bad_budget(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -136,25 +141,19 @@ def test_bad_filters():
         cache.update_and_fetch(mx.zeros((1, 2, 4, D)), mx.zeros((1, 2, 4, D)))
 
 
-def test_cache_contract():
+def test_eviction_mask_and_fallback_axis():
     cache = QFiltersCache(None, budget=16)
-    assert not hasattr(cache, "bits")  # its presence would route attention to quantized_matmul
-    assert not cache.is_trimmable()
-    with pytest.raises(NotImplementedError, match="batched generation"):
-        QFiltersCache.merge([cache, cache])
-    with pytest.raises(NotImplementedError, match="kv_bits"):
-        cache.to_quantized()
     with pytest.raises(NotImplementedError, match="sliding-window"):
         cache.make_mask(4, window_size=8)
     rng = np.random.default_rng(3)
-    cache.update_and_fetch(mx.array(rng.standard_normal((1, H, 40, D)), mx.float32),
-                           mx.zeros((1, H, 40, D)))
+    cache.update_and_fetch(
+        mx.array(rng.standard_normal((1, H, 40, D)), mx.float32), mx.zeros((1, H, 40, D))
+    )
     assert cache.size() == 16 and cache.offset == 40
+    # the kept 16 tokens are all visible to the next chunk, which is causal within itself
     mask = cache.make_mask(5, return_array=True)
-    assert mask.shape == (5, 21)
     expected = np.concatenate([np.ones((5, 16), bool), np.tril(np.ones((5, 5), bool))], axis=1)
     np.testing.assert_array_equal(np.array(mask), expected)
-    assert cache.make_mask(1) is None
     # the fallback axis is the keys' unoriented principal axis
     assert cache.fitted_on == 40 and cache.filters.shape == (H, D)
     assert abs(float(mx.linalg.norm(cache.filters[0]).item()) - 1) < 1e-5
@@ -162,9 +161,17 @@ def test_cache_contract():
 
 def tiny_llama():
     mx.random.seed(0)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
-                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                           rms_norm_eps=1e-5, vocab_size=100, rope_traditional=True)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=100,
+        rope_traditional=True,
+    )
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
@@ -177,8 +184,11 @@ def test_streamingllm_matches_mlx_lm_rotating_cache():
     ours = [StreamingLLMCache(16, sinks=4) for _ in range(2)]
     ref = [RotatingKVCache(max_size=17, keep=4) for _ in range(2)]
     # a prefill shorter than RotatingKVCache's window, so both attend to all of it
-    np.testing.assert_allclose(np.array(model(tokens[:, :12], cache=ours)),
-                               np.array(model(tokens[:, :12], cache=ref)), atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(model(tokens[:, :12], cache=ours)),
+        np.array(model(tokens[:, :12], cache=ref)),
+        atol=1e-5,
+    )
     for t in range(12, 60):
         a = model(tokens[:, t : t + 1], cache=ours)
         b = model(tokens[:, t : t + 1], cache=ref)
@@ -192,8 +202,9 @@ def test_no_eviction_equals_plain_kvcache():
     ref = model(tokens, cache=[KVCache() for _ in range(2)])
     for cls in (KNormCache, StreamingLLMCache):
         caches = [cls(1000) for _ in range(2)]
-        out = mx.concatenate([model(tokens[:, a:b], cache=caches)
-                              for a, b in ((0, 20), (20, 21), (21, 50))], axis=1)
+        out = mx.concatenate(
+            [model(tokens[:, a:b], cache=caches) for a, b in ((0, 20), (20, 21), (21, 50))], axis=1
+        )
         np.testing.assert_allclose(np.array(out), np.array(ref), atol=1e-5)
 
 
@@ -201,28 +212,17 @@ def test_no_eviction_equals_plain_kvcache():
 
 
 @pytest.fixture(scope="module")
-def capture_dir(smollm2, tmp_path_factory):
-    """q_post/k_post captured from the real model on 4 x 256 tokens of pydoc text whose topics
-    are disjoint from `eval_text` (the first topics in sorted order, eval_text takes the last)."""
-    from pydoc_data.topics import topics
-
-    from veloxquant.capture import capture_activations
-
-    model, tok = smollm2
-    text = "\n\n".join(topics[k] for k in sorted(topics)[:20])
-    ids = np.array(tok.encode(text)[: 4 * 256], np.int32).reshape(4, 256)
-    out = tmp_path_factory.mktemp("capture")
-    capture_activations(model, ids, out, token_budget=4 * 256, seed=0, progress=False)
-    return out
+def capture_dir(calib_dir):
+    return calib_dir / "activations"
 
 
 @pytest.fixture(scope="module")
-def bundle_dir(capture_dir, smollm2_dir, tmp_path_factory):
+def bundle_dir(calib_dir, smollm2_dir, tmp_path_factory):
     """What the qfilters stage does: calibrate on the capture, write the bundle."""
+    from veloxquant.calibrate import calibrate
+
     out = tmp_path_factory.mktemp("bundle")
-    data = {"source": {"kind": "pydoc_topics", "topics": "first 20"}, "split": "calib",
-            "seq_len": 256, "n_tokens": 1024, "sha256": None}
-    write_qfilters(capture_dir, smollm2_dir, out, data, progress=False)
+    calibrate("qfilters", calib_dir / "activations", smollm2_dir, out, progress=False)
     return out
 
 
@@ -292,31 +292,16 @@ def test_bundle_to_generate_gives_coherent_text(bundle_dir, smollm2, eval_text):
 
     model, tok = smollm2
     context = tok.decode(tok.encode(eval_text)[:300])
-    prompt = context + "\n\nQuestion: What is the capital of France?\nAnswer: The capital of France is"
-    caches = make_cache(model, KVCacheConfig(method="qfilters", artifact_dir=str(bundle_dir), budget=96))
+    prompt = (
+        context + "\n\nQuestion: What is the capital of France?\nAnswer: The capital of France is"
+    )
+    caches = make_cache(
+        model, KVCacheConfig(method="qfilters", artifact_dir=str(bundle_dir), budget=96)
+    )
     text = generate(model, tok, prompt, max_tokens=12, prompt_cache=caches)
     assert "Paris" in text, text
     assert caches[0].size() == 96 and caches[0].offset > 300  # it did evict
     assert re.fullmatch(r"[\w\s.,'\"()\-:;!?]+", text), text
-
-
-def test_save_and_load_prompt_cache_round_trip(bundle_dir, smollm2, eval_text, tmp_path):
-    model, tok = smollm2
-    ids = mx.array(tok.encode(eval_text)[:120])[None]
-    for config in (KVCacheConfig(method="qfilters", artifact_dir=str(bundle_dir), budget=48),
-                   KVCacheConfig(method="qfilters", uncalibrated=True, budget=0.25),
-                   KVCacheConfig(method="knorm", budget=48),
-                   KVCacheConfig(method="streamingllm", budget=48, sinks=2)):
-        caches = make_cache(model, config)
-        mx.eval(model(ids[:, :100], cache=caches))
-        save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
-        loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
-        assert [type(c) for c in loaded] == [type(c) for c in caches]
-        assert vars(loaded[3]).keys() == vars(caches[3]).keys()
-        a = model(ids[:, 100:], cache=caches)
-        b = model(ids[:, 100:], cache=loaded)
-        assert mx.array_equal(a, b).item(), config
-        assert loaded[0].offset == 120 and loaded[0].nbytes == caches[0].nbytes
 
 
 def test_small_budget_ordering_on_held_out_text(bundle_dir, smollm2, eval_text):
@@ -327,12 +312,16 @@ def test_small_budget_ordering_on_held_out_text(bundle_dir, smollm2, eval_text):
 
     model, tok = smollm2
     windows = np.array(tok.encode(eval_text)[:512], np.int32)[None]
-    rows = [{"name": "qfilters", "method": "qfilters", "artifact_dir": str(bundle_dir), "budget": 64},
-            {"name": "fallback", "method": "qfilters", "uncalibrated": True, "budget": 64},
-            {"name": "knorm", "method": "knorm", "budget": 64},
-            {"name": "streamingllm", "method": "streamingllm", "budget": 64}]
-    res = {r["name"]: r for r in evaluate_rows(model, windows, rows, prefill=256, chunk=64,
-                                                progress=False)}
+    rows = [
+        {"name": "qfilters", "method": "qfilters", "artifact_dir": str(bundle_dir), "budget": 64},
+        {"name": "fallback", "method": "qfilters", "uncalibrated": True, "budget": 64},
+        {"name": "knorm", "method": "knorm", "budget": 64},
+        {"name": "streamingllm", "method": "streamingllm", "budget": 64},
+    ]
+    res = {
+        r["name"]: r
+        for r in evaluate_rows(model, windows, rows, prefill=256, chunk=64, progress=False)
+    }
     table = {k: (round(r["kl"], 4), round(r["ppl"], 3)) for k, r in res.items()}
     for other in ("fallback", "knorm", "streamingllm"):
         assert res["qfilters"]["kl"] < res[other]["kl"], table

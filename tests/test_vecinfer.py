@@ -11,41 +11,32 @@ import math
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
-import mlx_lm.models.cache as mlx_cache
 import numpy as np
 import pytest
 
 from veloxquant import KVCacheConfig, make_cache
+from veloxquant.calibrate import calibrate
+from veloxquant.codes import code_bytes, pack_codes, unpack_codes
 from veloxquant.methods.vecinfer import (
     VecInferCache,
     calibrate_vecinfer,
     check_hadamard_dim,
-    code_bytes,
     inverse_smooth_transform,
-    pack_codes,
     query_transform,
     smooth_scales,
     smooth_transform,
-    unpack_codes,
-    write_vecinfer,
 )
 
 TINY = {"iters": 4, "max_vectors": 4096}
 
 
 @pytest.fixture(scope="module")
-def tiny(smollm2, smollm2_dir, tmp_path_factory):
-    from pydoc_data.topics import topics
-
-    from veloxquant.capture import capture_activations
-
-    model, tok = smollm2
-    text = "\n\n".join(topics[k] for k in sorted(topics)[:-12])  # eval_text uses the last 12
-    ids = np.array(tok.encode(text)[: 4 * 256], dtype=np.int32).reshape(4, 256)
+def tiny(calib_dir, smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("vecinfer")
-    capture_activations(model, ids, root / "capture", token_budget=1024, seed=0, progress=False)
-    write_vecinfer(root / "bundle", root / "capture", smollm2_dir, progress=False, **TINY)
-    return {"capture": root / "capture", "bundle": root / "bundle"}
+    calibrate(
+        "vecinfer", calib_dir / "activations", smollm2_dir, root / "bundle", progress=False, **TINY
+    )
+    return {"capture": calib_dir / "activations", "bundle": root / "bundle"}
 
 
 def hadamard_matrix(n: int) -> np.ndarray:
@@ -68,8 +59,9 @@ def test_transform_inverts_and_preserves_attention_logits(tiny):
     kt = smooth_transform(k, lam, True)
     # really a different space (channels rescaled by up to ~3x and rotated)
     assert float(mx.abs(kt - k).max().item()) > 1.0
-    np.testing.assert_allclose(np.array(inverse_smooth_transform(kt, lam, True)), np.array(k),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(inverse_smooth_transform(kt, lam, True)), np.array(k), rtol=1e-5, atol=1e-4
+    )
     # GQA: query head j reads KV head j // 3
     lam_q = mx.repeat(lam, 3, axis=0)
     k_rep = mx.repeat(k, 3, axis=1)
@@ -80,7 +72,9 @@ def test_transform_inverts_and_preserves_attention_logits(tiny):
     np.testing.assert_allclose(logits_t, logits, rtol=1e-4, atol=1e-3)
     # matches the explicit normalised Walsh-Hadamard matrix
     h = hadamard_matrix(k.shape[-1])
-    np.testing.assert_allclose(np.array(kt), (np.array(k) / np.array(lam)) @ h.T, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(kt), (np.array(k) / np.array(lam)) @ h.T, rtol=1e-4, atol=1e-4
+    )
 
 
 def test_hadamard_needs_power_of_two():
@@ -89,10 +83,26 @@ def test_hadamard_needs_power_of_two():
         check_hadamard_dim(96)
     book = mx.zeros((1, 256, 4))
     with pytest.raises(ValueError, match="power of two"):
-        VecInferCache(mx.ones((2, 48)), book, book, key_bits=8, key_sub_dim=4, value_bits=8,
-                      value_sub_dim=4, hadamard=True)
-    VecInferCache(mx.ones((2, 48)), book, book, key_bits=8, key_sub_dim=4, value_bits=8,
-                  value_sub_dim=4, hadamard=False)
+        VecInferCache(
+            mx.ones((2, 48)),
+            book,
+            book,
+            key_bits=8,
+            key_sub_dim=4,
+            value_bits=8,
+            value_sub_dim=4,
+            hadamard=True,
+        )
+    VecInferCache(
+        mx.ones((2, 48)),
+        book,
+        book,
+        key_bits=8,
+        key_sub_dim=4,
+        value_bits=8,
+        value_sub_dim=4,
+        hadamard=False,
+    )
 
 
 def test_smooth_scales_clip_and_floor():
@@ -133,8 +143,18 @@ def random_cache(hadamard=True, n_books=3, window=16, sinks=2, seed=0):
     lam = mx.array(rng.uniform(0.5, 3.0, size=(h, d)).astype(np.float32))
     kb = mx.array(rng.normal(size=(n_books, 256, 4)).astype(np.float32))  # d4b8
     vb = mx.array(rng.normal(size=(n_books, 4096, 8)).astype(np.float32))  # d8b12
-    return VecInferCache(lam, kb, vb, key_bits=8, key_sub_dim=4, value_bits=12, value_sub_dim=8,
-                         hadamard=hadamard, window=window, sinks=sinks)
+    return VecInferCache(
+        lam,
+        kb,
+        vb,
+        key_bits=8,
+        key_sub_dim=4,
+        value_bits=12,
+        value_sub_dim=8,
+        hadamard=hadamard,
+        window=window,
+        sinks=sinks,
+    )
 
 
 def check_pq(x, packed, decoded, book, sub_dim, bits, lam=None, hadamard=False):
@@ -185,16 +205,30 @@ def test_cache_roundtrip_equals_codebook_lookup(hadamard, n_books):
     lam = np.array(cache.smooth)
     kb16 = np.array(cache.key_codebook.astype(mx.float32))  # resident fp16 codebooks
     vb16 = np.array(cache.value_codebook.astype(mx.float32))
-    exp_k = check_pq(keys[:, :, 2:84], cache.key_codes, cache.decode_keys(cache.key_codes), kb16,
-                     4, 8, lam, hadamard)
-    check_pq(vals[:, :, 2:84], cache.value_codes, cache.decode_values(cache.value_codes), vb16, 8, 12)
+    exp_k = check_pq(
+        keys[:, :, 2:84],
+        cache.key_codes,
+        cache.decode_keys(cache.key_codes),
+        kb16,
+        4,
+        8,
+        lam,
+        hadamard,
+    )
+    check_pq(
+        vals[:, :, 2:84], cache.value_codes, cache.decode_values(cache.value_codes), vb16, 8, 12
+    )
     # what attention sees next: fp16 sinks, decoded codes, fp16 window, the new token exactly
     new_k = rng.normal(size=(1, 3, 1, 64)).astype(np.float32)
     k_out, v_out = cache.update_and_fetch(mx.array(new_k), mx.array(new_k))
     k_out = np.array(k_out)
-    np.testing.assert_array_equal(k_out[:, :, :2], keys[:, :, :2].astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(
+        k_out[:, :, :2], keys[:, :, :2].astype(np.float16).astype(np.float32)
+    )
     np.testing.assert_allclose(k_out[:, :, 2:84], exp_k, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(k_out[:, :, 84:100], keys[:, :, 84:].astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(
+        k_out[:, :, 84:100], keys[:, :, 84:].astype(np.float16).astype(np.float32)
+    )
     np.testing.assert_array_equal(k_out[:, :, 100:], new_k)
     assert cache.key_codes.shape[2] == 83 and cache.window_keys.shape[2] == 16
 
@@ -210,29 +244,14 @@ def test_nbytes_counts_exactly_codes_window_codebooks():
         coded * 3 * 16  # d4b8 key codes: 16 uint8 per head-vector
         + coded * 3 * 12  # d8b12 value codes: 8 x 12 bits = 12 bytes
         + 2 * (16 + 2) * 3 * 64 * 2  # fp16 window + sinks, K and V
-        + 3 * 256 * 4 * 2 + 3 * 4096 * 8 * 2  # fp16 codebooks, once per layer
+        + 3 * 256 * 4 * 2
+        + 3 * 4096 * 8 * 2  # fp16 codebooks, once per layer
         + 3 * 64 * 4  # λ
     )
     assert cache.nbytes == expected
     # nothing else is resident: every array the cache holds is counted
     held = sum(v.nbytes for v in vars(cache).values() if isinstance(v, mx.array))
     assert held == cache.nbytes
-
-
-def test_cache_contract():
-    cache = random_cache()
-    assert not hasattr(cache, "bits")  # would route attention to quantized_matmul
-    assert not hasattr(cache, "to_quantized")
-    assert mlx_cache.VecInferCache is VecInferCache
-    with pytest.raises(NotImplementedError, match="cannot be merged"):
-        VecInferCache.merge([cache, cache])
-    assert cache.empty() and cache.size() == 0
-    x = mx.zeros((1, 3, 70, 64))
-    cache.update_and_fetch(x, x)
-    assert not cache.empty()
-    mask = cache.make_mask(5, return_array=True)
-    assert mask.shape == (5, 75)
-    assert cache.make_mask(1) is None
 
 
 # ------------------------------------------------------------------------------- real model
@@ -268,29 +287,16 @@ def test_calibrated_beats_uncalibrated_and_stays_close_to_fp16(tiny, smollm2, ev
         {"name": "uncalibrated", "method": "vecinfer", "uncalibrated": True},
     ]
     cal, unc = evaluate_rows(model, window, rows, prefill=256, chunk=64, progress=False)
-    print({r["name"]: (round(r["ppl_ratio"], 3), round(r["kl"], 4), round(r["top1"], 3)) for r in (cal, unc)})
+    print(
+        {
+            r["name"]: (round(r["ppl_ratio"], 3), round(r["kl"], 4), round(r["top1"], 3))
+            for r in (cal, unc)
+        }
+    )
     # measured here: calibrated ppl x1.07, KL 0.038, top-1 0.93; uncalibrated x8.3, KL 2.1
     assert cal["ppl_ratio"] < 1.2 and cal["kl"] < 0.12 and cal["top1"] > 0.85
     assert unc["kl"] > 1.0 and unc["kl"] > 10 * cal["kl"] and unc["ppl_ratio"] > 3.0
     assert cal["kv_bits_per_element"] == pytest.approx(unc["kv_bits_per_element"])
-
-
-def test_prompt_cache_save_load_roundtrip(tiny, smollm2, tmp_path):
-    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
-
-    model, tok = smollm2
-    caches = make_cache(model, KVCacheConfig(method="vecinfer", artifact_dir=str(tiny["bundle"])))
-    prompt = mx.array(tok.encode("The quick brown fox jumps over the lazy dog. " * 8)[:80])[None]
-    model(prompt, cache=caches)
-    mx.eval([c.state for c in caches])
-    save_prompt_cache(str(tmp_path / "p.safetensors"), caches)
-    loaded = load_prompt_cache(str(tmp_path / "p.safetensors"))
-    assert all(type(c) is VecInferCache for c in loaded)
-    assert loaded[0].offset == 80 and loaded[0].nbytes == caches[0].nbytes
-    nxt = mx.array([[42]])
-    a = model(nxt, cache=caches)
-    b = model(nxt, cache=loaded)
-    assert mx.array_equal(a, b).item()
 
 
 def test_generate_with_quantized_history(tiny, smollm2):
@@ -313,17 +319,39 @@ def test_bad_inputs(tiny, smollm2, smollm2_dir, tmp_path):
     model, _ = smollm2
     book = mx.zeros((3, 256, 4))
     with pytest.raises(ValueError, match=r"d4b7 needs \[3 or 1, 128, 4\]"):
-        VecInferCache(mx.ones((3, 64)), book, book, key_bits=7, key_sub_dim=4, value_bits=8,
-                      value_sub_dim=4, hadamard=True)
+        VecInferCache(
+            mx.ones((3, 64)),
+            book,
+            book,
+            key_bits=7,
+            key_sub_dim=4,
+            value_bits=8,
+            value_sub_dim=4,
+            hadamard=True,
+        )
     nan_book = mx.where(mx.arange(256)[None, :, None] == 3, mx.nan, mx.zeros((3, 256, 4)))
     with pytest.raises(ValueError, match="NaN"):
-        VecInferCache(mx.ones((3, 64)), nan_book, book, key_bits=8, key_sub_dim=4, value_bits=8,
-                      value_sub_dim=4, hadamard=True)
+        VecInferCache(
+            mx.ones((3, 64)),
+            nan_book,
+            book,
+            key_bits=8,
+            key_sub_dim=4,
+            value_bits=8,
+            value_sub_dim=4,
+            hadamard=True,
+        )
     with pytest.raises(ValueError, match="calibrated with key_bits=8"):
-        make_cache(model, KVCacheConfig(method="vecinfer", artifact_dir=str(tiny["bundle"]),
-                                        options={"key_bits": 12}))
-    with pytest.raises(ValueError, match="bits does not apply"):
-        make_cache(model, KVCacheConfig(method="vecinfer", artifact_dir=str(tiny["bundle"]), bits=2))
+        make_cache(
+            model,
+            KVCacheConfig(
+                method="vecinfer", artifact_dir=str(tiny["bundle"]), options={"key_bits": 12}
+            ),
+        )
+    with pytest.raises(ValueError, match=r"bits=2\) does not apply to method 'vecinfer'"):
+        make_cache(
+            model, KVCacheConfig(method="vecinfer", artifact_dir=str(tiny["bundle"]), bits=2)
+        )
     with pytest.raises(BundleError, match="vecinfer"):
         make_cache(model, KVCacheConfig(method="vecinfer"))
     # 922 training tokens x 16 sub-vectors < 65536 centroids: refuse, naming the minimum
@@ -331,4 +359,4 @@ def test_bad_inputs(tiny, smollm2, smollm2_dir, tmp_path):
     with pytest.raises(ValueError, match=r"65536 centroids.*need at least 4551 captured tokens"):
         calibrate_vecinfer(tiny["capture"], smollm2_dir, key_bits=16, progress=False)
     with pytest.raises(ValueError, match="unknown hyperparameters"):
-        write_vecinfer(tmp_path, tiny["capture"], smollm2_dir, key_bitz=8, progress=False)
+        calibrate("vecinfer", tiny["capture"], smollm2_dir, tmp_path, key_bitz=8, progress=False)

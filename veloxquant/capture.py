@@ -24,7 +24,8 @@ import collections
 import contextlib
 import hashlib
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,8 +72,15 @@ class RecordingKVCache(KVCache):
                 f"update_and_fetch, saw {len(calls)} ({len(k_calls)} matching keys). This "
                 "attention implementation is not the mlx-lm llama/qwen3 layout capture supports."
             )
-        self.records.append({"offset": self.offset, "q_post": q_calls[0][1],
-                             "k_pre": k_calls[0][0], "k_post": keys, "v": values})
+        self.records.append(
+            {
+                "offset": self.offset,
+                "q_post": q_calls[0][1],
+                "k_pre": k_calls[0][0],
+                "k_post": keys,
+                "v": values,
+            }
+        )
         return super().update_and_fetch(keys, values)
 
 
@@ -83,15 +91,17 @@ def record_attention(model: nn.Module) -> Iterator[list[RecordingRoPE]]:
     for i, layer in enumerate(model.layers):
         attn = getattr(layer, "self_attn", None)
         if attn is None or not isinstance(getattr(attn, "rope", None), nn.Module):
-            raise ValueError(f"layer {i} has no self_attn.rope module: capture supports mlx-lm "
-                             "llama/qwen2/qwen3-style attention only.")
+            raise ValueError(
+                f"layer {i} has no self_attn.rope module: capture supports mlx-lm "
+                "llama/qwen2/qwen3-style attention only."
+            )
         originals.append(attn.rope)
     try:
-        for layer, rope in zip(model.layers, originals):
+        for layer, rope in zip(model.layers, originals, strict=True):
             layer.self_attn.rope = RecordingRoPE(rope)
         yield [layer.self_attn.rope for layer in model.layers]
     finally:
-        for layer, rope in zip(model.layers, originals):
+        for layer, rope in zip(model.layers, originals, strict=True):
             layer.self_attn.rope = rope
 
 
@@ -111,33 +121,56 @@ def sample_token_indices(num_tokens: int, token_budget: int, seed: int) -> np.nd
 def _check_inputs(model: nn.Module, tokens: Any, token_budget: int) -> np.ndarray:
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
-        raise ValueError(f"tokens must be a 2-D [N, S] array of token ids, got shape {tokens.shape}"
-                         "; use tokens.reshape(1, -1) for a single sequence.")
+        raise ValueError(
+            f"tokens must be a 2-D [N, S] array of token ids, got shape {tokens.shape}"
+            "; use tokens.reshape(1, -1) for a single sequence."
+        )
     if tokens.size == 0:
-        raise ValueError(f"tokens is empty (shape {tokens.shape}): nothing to capture. Check that "
-                         "prepare_data produced calibration sequences.")
+        raise ValueError(
+            f"tokens is empty (shape {tokens.shape}): nothing to capture. Check that "
+            "prepare_data produced calibration sequences."
+        )
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must hold integer token ids, got dtype {tokens.dtype}.")
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     if tokens.min() < 0 or (vocab is not None and tokens.max() >= vocab):
-        raise ValueError(f"token ids must lie in [0, {vocab}); got [{tokens.min()}, "
-                         f"{tokens.max()}]. Were the tokens made with this model's tokenizer?")
-    if isinstance(token_budget, bool) or not isinstance(token_budget, (int, np.integer)) \
-            or token_budget < 1:
+        raise ValueError(
+            f"token ids must lie in [0, {vocab}); got [{tokens.min()}, "
+            f"{tokens.max()}]. Were the tokens made with this model's tokenizer?"
+        )
+    if (
+        isinstance(token_budget, bool)
+        or not isinstance(token_budget, (int, np.integer))
+        or token_budget < 1
+    ):
         raise ValueError(f"token_budget must be an integer >= 1, got {token_budget!r}.")
     return tokens.astype(np.int32)
 
 
 def _model_summary(model: nn.Module) -> dict:
     args = getattr(model, "args", None)
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "rope_theta", "rope_traditional", "rope_scaling",
-            "vocab_size")
+    keys = (
+        "model_type",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rope_theta",
+        "rope_traditional",
+        "rope_scaling",
+        "vocab_size",
+    )
     summary = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     rope = model.layers[0].self_attn.rope
-    summary["rope"] = {"class": type(rope).__name__, **{
-        k: getattr(rope, k) for k in ("dims", "traditional", "base", "scale")
-        if isinstance(getattr(rope, k, None), (int, float, bool))}}
+    summary["rope"] = {
+        "class": type(rope).__name__,
+        **{
+            k: getattr(rope, k)
+            for k in ("dims", "traditional", "base", "scale")
+            if isinstance(getattr(rope, k, None), (int, float, bool))
+        },
+    }
     return summary
 
 
@@ -146,8 +179,12 @@ def _reduce(x: mx.array, local: mx.array | None) -> tuple:
     and the sampled tokens as float16 [n, H, D] (None when this sequence has none)."""
     x32 = x.astype(mx.float32)
     sample = None if local is None else mx.take(x, local, axis=1).swapaxes(0, 1)
-    return (x32.sum(axis=1), mx.square(x32).sum(axis=1), mx.abs(x32).max(axis=1),
-            None if sample is None else sample.astype(mx.float16))
+    return (
+        x32.sum(axis=1),
+        mx.square(x32).sum(axis=1),
+        mx.abs(x32).max(axis=1),
+        None if sample is None else sample.astype(mx.float16),
+    )
 
 
 def capture_activations(
@@ -189,10 +226,17 @@ def capture_activations(
             # Only the captured tensors are evaluated; the unused logits graph is dropped.
             model(mx.array(tokens[s : s + 1]), cache=caches)
             if any(len(c.records) != 1 for c in caches):
-                raise RuntimeError("expected one attention call per layer per forward pass; "
-                                   "this model's layout is not supported by capture.")
-            outputs = [{name: _reduce(cache.records[0][name][0], local if hi > lo else None)
-                        for name in NAMES} for cache in caches]
+                raise RuntimeError(
+                    "expected one attention call per layer per forward pass; "
+                    "this model's layout is not supported by capture."
+                )
+            outputs = [
+                {
+                    name: _reduce(cache.records[0][name][0], local if hi > lo else None)
+                    for name in NAMES
+                }
+                for cache in caches
+            ]
             mx.eval([[t for v in o.values() for t in v if t is not None] for o in outputs])
             positions[lo:hi] = np.array(local) + caches[0].records[0]["offset"]
             del caches
@@ -204,11 +248,13 @@ def capture_activations(
                     if not (np.isfinite(x_sum).all() and np.isfinite(x_max).all()):
                         raise FloatingPointError(
                             f"NaN/Inf in layer {i} {name} (sequence {s}); nothing was written. "
-                            "Check the model weights/dtype (float16 overflow?).")
+                            "Check the model weights/dtype (float16 overflow?)."
+                        )
                     if x_max.max() > _FP16_MAX:
                         raise OverflowError(
                             f"layer {i} {name} reaches |x| = {x_max.max():.4g} (sequence {s}), "
-                            "beyond float16 storage; capture cannot store it losslessly.")
+                            "beyond float16 storage; capture cannot store it losslessly."
+                        )
                     if s == 0:  # shapes are known once the first sequence has run
                         for key in ("sum", "sq_sum", "absmax"):
                             sums.setdefault(f"{name}.{key}", np.zeros((num_layers,) + x_sum.shape))
@@ -262,13 +308,17 @@ def load_capture_info(capture_dir: str | Path) -> dict:
 
     path = Path(capture_dir) / "capture.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{capture_dir} holds no complete capture (no capture.json). "
-                                "Run the capture stage first (`dvc repro capture` or "
-                                "`veloxquant capture`).")
+        raise FileNotFoundError(
+            f"{capture_dir} holds no complete capture (no capture.json). "
+            "Run the capture stage first (`dvc repro capture` or "
+            "`veloxquant capture`)."
+        )
     info = json.loads(path.read_text())
     if info.get("format") != FORMAT:
-        raise ValueError(f"{path} has format {info.get('format')!r}; expected {FORMAT!r}. "
-                         "Re-run the capture stage.")
+        raise ValueError(
+            f"{path} has format {info.get('format')!r}; expected {FORMAT!r}. "
+            "Re-run the capture stage."
+        )
     return info
 
 
@@ -278,13 +328,15 @@ def load_activations(
     """Sampled activations of one layer as float32 (positions stay int32)."""
     info = load_capture_info(capture_dir)
     if not 0 <= layer < info["num_layers"]:
-        raise IndexError(f"layer {layer} out of range: the capture has "
-                         f"{info['num_layers']} layers.")
+        raise IndexError(
+            f"layer {layer} out of range: the capture has {info['num_layers']} layers."
+        )
     names = list(NAMES + ("positions",) if names is None else names)
     unknown = set(names) - set(NAMES) - {"positions"}
     if unknown:
-        raise KeyError(f"unknown activation names {sorted(unknown)}; known: "
-                       f"{list(NAMES) + ['positions']}")
+        raise KeyError(
+            f"unknown activation names {sorted(unknown)}; known: {list(NAMES) + ['positions']}"
+        )
     data = mx.load(str(Path(capture_dir) / f"layer_{layer:02d}.safetensors"))
     return {n: data[n] if n == "positions" else data[n].astype(mx.float32) for n in names}
 

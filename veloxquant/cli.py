@@ -1,12 +1,12 @@
 """The `veloxquant` command line: every pipeline step as a verb, plus bundle tools.
 
-    veloxquant import-model [SOURCE] OUT_DIR [--dtype float32]
-    veloxquant prepare-data MODEL_DIR OUT_DIR [--source JSON] [--seq-len 1024] ...
-    veloxquant capture MODEL_DIR TOKENS.safetensors OUT_DIR [--budget 8192] [--seed 0]
-    veloxquant calibrate {qfilters,vecinfer} ACTIVATIONS_DIR MODEL_DIR BUNDLE_DIR [--data-json F]
-    veloxquant eval MODEL_DIR TOKENS.safetensors [--row JSON ...] [--out DIR]
-    veloxquant generate MODEL_DIR PROMPT [--method M] [--artifact-dir DIR] [--budget B]
-    veloxquant bundle inspect DIR | verify DIR [--model MODEL_DIR] [--strict] | export DIR MODEL_DIR
+veloxquant import-model [SOURCE] OUT_DIR [--dtype float32]
+veloxquant prepare-data MODEL_DIR OUT_DIR [--source JSON] [--seq-len 1024] ...
+veloxquant capture MODEL_DIR TOKENS.safetensors OUT_DIR [--budget 8192] [--seed 0]
+veloxquant calibrate METHOD ACTIVATIONS_DIR MODEL_DIR BUNDLE_DIR [--data-json F] [--params J]
+veloxquant eval MODEL_DIR TOKENS.safetensors [--row JSON ...] [--out DIR]
+veloxquant generate MODEL_DIR PROMPT [--method M] [--artifact-dir DIR] [--budget B]
+veloxquant bundle inspect DIR | verify DIR [--model MODEL_DIR] [--strict] | export DIR MODEL_DIR
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ import sys
 from pathlib import Path
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+from veloxquant.methods import CALIBRATED, METHODS
+
+
+def _methods_help(names) -> str:
+    return "\n".join(f"  {m:<13} {METHODS[m].summary}" for m in names)
 
 
 def _import_model(a: argparse.Namespace) -> None:
@@ -30,9 +35,14 @@ def _prepare_data(a: argparse.Namespace) -> None:
     from veloxquant.model_import import load_tokenizer
 
     info = prepare_data(
-        load_tokenizer(a.model_dir), source=json.loads(a.source), out_dir=a.out_dir,
-        seq_len=a.seq_len, calib_windows=a.calib_windows, eval_windows=a.eval_windows,
-        eval_fraction=a.eval_fraction, seed=a.seed,
+        load_tokenizer(a.model_dir),
+        source=json.loads(a.source),
+        out_dir=a.out_dir,
+        seq_len=a.seq_len,
+        calib_windows=a.calib_windows,
+        eval_windows=a.eval_windows,
+        eval_fraction=a.eval_fraction,
+        seed=a.seed,
     )
     print(json.dumps(info, indent=2, default=str))
 
@@ -43,7 +53,9 @@ def _capture(a: argparse.Namespace) -> None:
     from veloxquant.model_import import load_model
 
     model, _ = load_model(a.model_dir)
-    summary = capture_activations(model, load_tokens(a.tokens), a.out_dir, token_budget=a.budget, seed=a.seed)
+    summary = capture_activations(
+        model, load_tokens(a.tokens), a.out_dir, token_budget=a.budget, seed=a.seed
+    )
     print(json.dumps(summary, indent=2, default=str))
 
 
@@ -51,7 +63,9 @@ def _calibrate(a: argparse.Namespace) -> None:
     from veloxquant.calibrate import calibrate
 
     params = json.loads(a.params) if a.params else {}
-    path = calibrate(a.method, a.activations_dir, a.model_dir, a.bundle_dir, data_json=a.data_json, **params)
+    path = calibrate(
+        a.method, a.activations_dir, a.model_dir, a.bundle_dir, data_json=a.data_json, **params
+    )
     print(path)
 
 
@@ -62,7 +76,9 @@ def _eval(a: argparse.Namespace) -> None:
 
     model, _ = load_model(a.model_dir)
     rows = [json.loads(r) for r in a.row] or [{"name": "fp16", "method": "fp16"}]
-    results = evaluate_rows(model, load_tokens(a.tokens)[: a.windows], rows, prefill=a.prefill, chunk=a.chunk)
+    results = evaluate_rows(
+        model, load_tokens(a.tokens)[: a.windows], rows, prefill=a.prefill, chunk=a.chunk
+    )
     if a.out:
         write_metrics(results, Path(a.out) / "metrics.json")
     for r in results:
@@ -76,19 +92,24 @@ def _generate(a: argparse.Namespace) -> None:
     from veloxquant.model_import import load_model
 
     model, tokenizer = load_model(a.model_dir)
-    cfg = KVCacheConfig(method=a.method, artifact_dir=a.artifact_dir, budget=a.budget,
-                        uncalibrated=a.uncalibrated)
+    cfg = KVCacheConfig(
+        method=a.method, artifact_dir=a.artifact_dir, budget=a.budget, uncalibrated=a.uncalibrated
+    )
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": a.prompt}], add_generation_prompt=True, tokenize=False
     )
-    print(generate(model, tokenizer, prompt, max_tokens=a.max_tokens, prompt_cache=make_cache(model, cfg)))
+    print(
+        generate(
+            model, tokenizer, prompt, max_tokens=a.max_tokens, prompt_cache=make_cache(model, cfg)
+        )
+    )
 
 
 def _bundle(a: argparse.Namespace) -> None:
     from veloxquant import bundle
 
     if a.bundle_cmd == "inspect":
-        print(bundle.inspect_bundle(a.dir))
+        print(render_bundle(bundle.load_bundle(a.dir)))
     elif a.bundle_cmd == "verify":
         bundle.verify_bundle(a.dir, model_dir=a.model, strict=a.strict)
         print(f"OK: {a.dir}")
@@ -97,8 +118,12 @@ def _bundle(a: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="veloxquant", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="veloxquant",
+        description=__doc__ + "\nKV-cache methods:\n" + _methods_help(METHODS),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"veloxquant {veloxquant.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("import-model", help="GGUF / model dir / repo id -> mlx-lm model dir")
@@ -126,8 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_capture)
 
-    s = sub.add_parser("calibrate", help="train a method's artifact into a bundle")
-    s.add_argument("method", choices=["qfilters", "vecinfer"])
+    s = sub.add_parser(
+        "calibrate",
+        help="train a method's artifact into a bundle",
+        description="Calibrated methods:\n" + _methods_help(CALIBRATED),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("method", choices=CALIBRATED)
     s.add_argument("activations_dir")
     s.add_argument("model_dir")
     s.add_argument("bundle_dir")
@@ -138,7 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("eval", help="held-out ppl / KL / top-1 / KV bytes")
     s.add_argument("model_dir")
     s.add_argument("tokens")
-    s.add_argument("--row", action="append", default=[], help='JSON, e.g. {"name":"q4","method":"quantized","bits":4}')
+    s.add_argument(
+        "--row",
+        action="append",
+        default=[],
+        help='JSON, e.g. {"name":"q4","method":"quantized","bits":4}',
+    )
     s.add_argument("--windows", type=int, default=4)
     s.add_argument("--prefill", type=int, default=512)
     s.add_argument("--chunk", type=int, default=64)
@@ -148,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", help="chat generation through a veloxquant cache")
     s.add_argument("model_dir")
     s.add_argument("prompt")
-    s.add_argument("--method", default="fp16")
+    s.add_argument("--method", default="fp16", choices=list(METHODS))
     s.add_argument("--artifact-dir", default=None)
     s.add_argument("--budget", type=float, default=None)
     s.add_argument("--uncalibrated", action="store_true")
@@ -162,12 +197,74 @@ def build_parser() -> argparse.ArgumentParser:
     b = bsub.add_parser("verify")
     b.add_argument("dir")
     b.add_argument("--model", default=None, help="model dir to check the fingerprint against")
-    b.add_argument("--strict", action="store_true", help="weight/tokenizer digest mismatch is an error")
+    b.add_argument(
+        "--strict", action="store_true", help="weight/tokenizer digest mismatch is an error"
+    )
     b = bsub.add_parser("export")
     b.add_argument("dir")
     b.add_argument("model_dir")
     s.set_defaults(func=_bundle)
     return p
+
+
+def render_bundle(bundle) -> str:
+    """`veloxquant bundle inspect`: model, methods, tensors, data, diagnostics, sizes."""
+    from veloxquant.fingerprint import DIGEST_FIELDS
+
+    m = bundle.manifest
+    fp = m["model"]
+    lines = [
+        f"bundle {bundle.path}  ({m['format']} v{m['format_version']}, "
+        f"updated {m.get('created_at')})",
+        f"model  {fp.get('model_type')} {fp.get('path')}",
+        f"       layers={fp.get('num_layers')} heads={fp.get('num_heads')} "
+        f"kv_heads={fp.get('num_kv_heads')} head_dim={fp.get('head_dim')} "
+        f"rope(theta={fp.get('rope_theta')}, traditional={fp.get('rope_traditional')}, "
+        f"scaling={fp.get('rope_scaling')})",
+        "       " + "  ".join(f"{k}={str(fp.get(k))[:12]}" for k in DIGEST_FIELDS),
+    ]
+    total = 0
+    for name in bundle.methods:
+        e = m["methods"][name]
+        total += e["size"]
+        lines.append(
+            f"method {name}: {e['file']} {_human(e['size'])} sha256={e['sha256'][:12]} "
+            f"capture={e.get('capture_point')} created {e.get('created_at')}"
+        )
+        lines.append(f"  hyperparameters: {json.dumps(e.get('hyperparameters'), sort_keys=True)}")
+        for t, info in e.get("tensors", {}).items():
+            lines.append(f"  tensor {t:<18} {info['dtype']:<8} {info['shape']}")
+        data = e.get("data") or {}
+        lines.append(
+            "  data: "
+            + ", ".join(
+                f"{k}={json.dumps(v, sort_keys=True, separators=(',', ':'))[:80]}"
+                for k, v in sorted(data.items())
+            )
+        )
+        for k, v in sorted((e.get("diagnostics") or {}).items()):
+            lines.append(f"  diag {k}: {_short(v)}")
+        vers = e.get("versions") or {}
+        lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(vers.items())))
+    lines.append(f"total {_human(total)} in {len(bundle.methods)} method file(s)")
+    return "\n".join(lines)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _short(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list) and len(v) > 6:
+        head = ", ".join(_short(x) for x in v[:6])
+        return f"[{head}, ...] ({len(v)} values)"
+    return json.dumps(v) if not isinstance(v, str) else v
 
 
 def main(argv: list[str] | None = None) -> int:

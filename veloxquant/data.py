@@ -288,7 +288,7 @@ def prepare_data(
     if source["kind"] == "pydoc_topics":
         # pydoc topics change between Python releases: the token hash is only comparable
         # within one version.
-        recorded_source["python_version"] = "%d.%d.%d" % sys.version_info[:3]
+        recorded_source["python_version"] = ".".join(map(str, sys.version_info[:3]))
     split: dict[str, Any] = {
         "by": "document",
         "eval_fraction": eval_fraction,

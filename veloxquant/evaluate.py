@@ -28,7 +28,8 @@ import math
 import re
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -173,18 +174,24 @@ def evaluate_rows(
             ref_p = mx.exp(ref_logp)
             mx.eval(ref_logp, ref_top, ref_nll, ref_p, [c.state for c in ref_caches])
             _add(ref, float(ref_nll.item()), 0.0, 0.0, n_pred, after_prefill)
-            for (name, _, _), caches, acc in zip(built, row_caches, sums):
+            for (name, _, _), caches, acc in zip(built, row_caches, sums, strict=True):
                 bar.set_postfix_str(f"window {w + 1}/{n_windows} {name}", refresh=False)
                 logp = _log_softmax(model(x, cache=caches)[0, :n_pred])
                 nll = -mx.take_along_axis(logp, tgt[:, None], axis=-1).sum()
                 kl = (ref_p * (ref_logp - logp)).sum()
                 agree = (mx.argmax(logp, axis=-1) == ref_top).sum()
                 mx.eval(nll, kl, agree, [c.state for c in caches])
-                _add(acc, float(nll.item()), float(kl.item()), float(agree.item()), n_pred,
-                     after_prefill)
+                _add(
+                    acc,
+                    float(nll.item()),
+                    float(kl.item()),
+                    float(agree.item()),
+                    n_pred,
+                    after_prefill,
+                )
                 bar.update(1)
         elements = _kv_elements(ref_caches)
-        for caches, acc in zip(row_caches, sums):
+        for caches, acc in zip(row_caches, sums, strict=True):
             acc.kv_bytes.append(_nbytes(caches))
             acc.kv_elements.append(elements)
         del ref_caches, row_caches
@@ -193,7 +200,7 @@ def evaluate_rows(
     ppl_ref = math.exp(ref.nll_after / ref.n_after)
     ppl_ref_all = math.exp(ref.nll_all / ref.n_all)
     results = []
-    for (name, config, _), acc in zip(built, sums):
+    for (name, config, _), acc in zip(built, sums, strict=True):
         kv_bytes = sum(acc.kv_bytes) / n_windows
         ppl = math.exp(acc.nll_after / acc.n_after)
         results.append(
@@ -224,19 +231,14 @@ def evaluate_rows(
 
 
 def is_calibrated(config: dict) -> bool | None:
-    """Whether the row uses calibration artifacts. A method module may say so with a
-    module-level `CALIBRATED = bool`; otherwise the `baselines` module is uncalibrated and every
-    other method is calibrated unless the row asks for its uncalibrated variant."""
-    import importlib
+    """Whether the row uses calibration artifacts (None for a ready-made `make` row, whose
+    caches the harness cannot see into)."""
+    from veloxquant.methods import METHODS
 
-    from veloxquant.config import METHODS
-
-    method = config.get("method")
-    if method not in METHODS:
-        return None  # a ready-made `make` row: the harness cannot tell
-    module = importlib.import_module(f"veloxquant.methods.{METHODS[method]}")
-    calibrated = getattr(module, "CALIBRATED", METHODS[method] != "baselines")
-    return bool(calibrated) and not config.get("uncalibrated", False)
+    method = METHODS.get(config.get("method"))
+    if method is None:
+        return None
+    return method.calibrated and not config.get("uncalibrated", False)
 
 
 def _add(acc: _Sums, nll: float, kl: float, agree: float, n: int, after_prefill: bool) -> None:
@@ -270,8 +272,10 @@ def write_csv(results: list[dict], path_csv: str | Path) -> None:
     writer.writeheader()
     for r in results:
         writer.writerow(
-            {k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
-             for k, v in r.items()}
+            {
+                k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
+                for k, v in r.items()
+            }
         )
     write_bytes_atomic(path_csv, buf.getvalue().encode())
 
@@ -305,9 +309,16 @@ def plot_quality_vs_bits(results: list[dict], path_png: str | Path) -> None:
     ):
         for i, (label, rows) in enumerate(series.items()):
             rows = sorted(rows, key=lambda r: r["kv_bits_per_element"])
-            ax.plot([r["kv_bits_per_element"] for r in rows], [r[key] for r in rows],
-                    marker=markers[i % len(markers)], color=colors[i % len(colors)], lw=1,
-                    ms=6, label=label, zorder=3)
+            ax.plot(
+                [r["kv_bits_per_element"] for r in rows],
+                [r[key] for r in rows],
+                marker=markers[i % len(markers)],
+                color=colors[i % len(colors)],
+                lw=1,
+                ms=6,
+                label=label,
+                zorder=3,
+            )
         # Bits span 1-32: a log2 axis spreads the compressed rows instead of crowding them left.
         ax.set_xscale("log", base=2)
         ax.set_xticks([b for b in (1, 2, 4, 8, 16, 32) if min(bits) / 1.5 <= b <= max(bits) * 1.5])

@@ -74,7 +74,9 @@ def _chunk_rows(g: int, k: int, n: int, chunk_elems: int) -> int:
 def augment_codebook(c: mx.array) -> mx.array:
     """[G, K, d] → [G, d+1, K] = [−2c | ‖c‖²]ᵀ, so that [x | 1] @ it = ‖c‖² − 2x·c in one GEMM
     (no separate elementwise pass over the [n, K] score block)."""
-    return mx.concatenate([-2.0 * c, (c * c).sum(axis=-1, keepdims=True)], axis=-1).transpose(0, 2, 1)
+    return mx.concatenate([-2.0 * c, (c * c).sum(axis=-1, keepdims=True)], axis=-1).transpose(
+        0, 2, 1
+    )
 
 
 def nearest(x: mx.array, c: mx.array, c_aug: mx.array | None = None) -> tuple[mx.array, mx.array]:
@@ -91,9 +93,7 @@ def nearest(x: mx.array, c: mx.array, c_aug: mx.array | None = None) -> tuple[mx
     return codes, mx.maximum(best + (x * x).sum(axis=-1), 0.0)
 
 
-def assign(
-    x: mx.array, c: mx.array, *, chunk_elems: int = 1 << 23
-) -> tuple[mx.array, mx.array]:
+def assign(x: mx.array, c: mx.array, *, chunk_elems: int = 1 << 23) -> tuple[mx.array, mx.array]:
     """`nearest` over all of x [G, N, d], chunked over N so at most ~chunk_elems scores exist
     at once, each chunk evaluated before the next is built."""
     g, n, _ = x.shape
@@ -142,7 +142,9 @@ def _init_kmeans_pp(x: mx.array, k: int, key: mx.array, progress: bool, desc: st
     return mx.concatenate(chosen, axis=1)
 
 
-def _reseed_dead(x: mx.array, err: mx.array, dead: mx.array, n_dead: mx.array, c: mx.array) -> mx.array:
+def _reseed_dead(
+    x: mx.array, err: mx.array, dead: mx.array, n_dead: mx.array, c: mx.array
+) -> mx.array:
     """Greedy farthest-point reseeding: the r-th dead centroid of each group moves to the point
     with the largest error so far, which then counts as covered, so dead centroids never land on
     the same spot (or on copies of one point).
@@ -291,6 +293,12 @@ def product_kmeans(
         key = mx.random.split(mx.random.key(seed))[1]
         sub = _init_sample(sub, max_vectors, key)
     return kmeans(
-        sub, n_centroids, iters=iters, seed=seed, init=init, chunk_elems=chunk_elems,
-        progress=progress, desc=desc,
+        sub,
+        n_centroids,
+        iters=iters,
+        seed=seed,
+        init=init,
+        chunk_elems=chunk_elems,
+        progress=progress,
+        desc=desc,
     )

@@ -188,7 +188,8 @@ def _import_gguf(path: Path, out: Path, dtype: str) -> None:
 
         with atomic_path(out / "model.safetensors") as tmp:
             mx.save_safetensors(
-                str(tmp), {k: mx.array(v).astype(mx.bfloat16) for k, v in sorted(weights.items())},
+                str(tmp),
+                {k: mx.array(v).astype(mx.bfloat16) for k, v in sorted(weights.items())},
                 metadata={"format": "mlx"},
             )
     else:
@@ -210,7 +211,9 @@ def _hf_tensor_name(gguf_name: str) -> str | None:
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-    raise ModelImportError(f"Unexpected GGUF tensor {gguf_name!r}; the file's layout is not supported.")
+    raise ModelImportError(
+        f"Unexpected GGUF tensor {gguf_name!r}; the file's layout is not supported."
+    )
 
 
 def _config_from_gguf(reader: Any, arch: str, model_type: str, traditional: bool) -> dict:
@@ -228,8 +231,11 @@ def _config_from_gguf(reader: Any, arch: str, model_type: str, traditional: bool
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     config: dict[str, Any] = {
         "model_type": model_type,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[model_type]],
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+                model_type
+            ]
+        ],
         "hidden_size": hidden,
         "num_hidden_layers": int(need("block_count")),
         "intermediate_size": int(need("feed_forward_length")),
@@ -289,8 +295,11 @@ def _write_tokenizer(reader: Any, out: Path) -> None:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     # token_type 3 = control, 4 = user-defined: never split by BPE.
-    specials = [AddedToken(t, special=(ty == 3), normalized=False)
-                for t, ty in zip(tokens, types) if ty in (3, 4)]
+    specials = [
+        AddedToken(t, special=(ty == 3), normalized=False)
+        for t, ty in zip(tokens, types, strict=True)
+        if ty in (3, 4)
+    ]
     tok.add_tokens(specials)
 
     def name(key: str) -> str | None:
@@ -316,8 +325,11 @@ def _write_tokenizer(reader: Any, out: Path) -> None:
         "add_bos_token": add_bos,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 30,
-        "additional_special_tokens": [t for t, ty in zip(tokens, types) if ty == 3
-                                      and t not in (bos, name("tokenizer.ggml.eos_token_id"))],
+        "additional_special_tokens": [
+            t
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == 3 and t not in (bos, name("tokenizer.ggml.eos_token_id"))
+        ],
     }
     template = _field(reader, "tokenizer.chat_template")
     if template:
@@ -347,6 +359,11 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     from mlx_lm.utils import load_tokenizer as _load_tokenizer
 
     model_dir = Path(model_dir)
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
-        raise ModelImportError(f"{model_dir} has no tokenizer; run `veloxquant import-model` first.")
+    if (
+        not (model_dir / "tokenizer.json").is_file()
+        and not (model_dir / "tokenizer_config.json").is_file()
+    ):
+        raise ModelImportError(
+            f"{model_dir} has no tokenizer; run `veloxquant import-model` first."
+        )
     return _load_tokenizer(model_dir)

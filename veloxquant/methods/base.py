@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 # The KVCacheConfig fields a method may read besides `method`, `artifact_dir`, `uncalibrated`,
 # `strict` and `options`; a method lists the ones it uses in `Method.fields`, and make_cache
@@ -52,7 +53,7 @@ class ModelDims:
         return self.H_q // self.H_kv
 
     @classmethod
-    def from_args(cls, args: Any) -> "ModelDims":
+    def from_args(cls, args: Any) -> ModelDims:
         """From mlx-lm ModelArgs (also what a live model carries as `model.args`) or a
         config.json dict."""
         get = args.get if isinstance(args, dict) else (lambda k, d=None: getattr(args, k, d))
@@ -72,23 +73,28 @@ class ModelDims:
         )
 
     @classmethod
-    def of(cls, model_or_dir: Any) -> "ModelDims":
+    def of(cls, model_or_dir: Any) -> ModelDims:
         """From a live mlx-lm model, its ModelArgs, a config.json dict or a model dir."""
         if isinstance(model_or_dir, ModelDims):
             return model_or_dir
         if isinstance(model_or_dir, (str, Path)):
             path = Path(model_or_dir)
-            return cls.from_args(json.loads((path / "config.json" if path.is_dir() else path)
-                                            .read_text()))
+            return cls.from_args(
+                json.loads((path / "config.json" if path.is_dir() else path).read_text())
+            )
         return cls.from_args(getattr(model_or_dir, "args", model_or_dir))
 
     @classmethod
-    def from_fingerprint(cls, fp: Mapping[str, Any]) -> "ModelDims":
+    def from_fingerprint(cls, fp: Mapping[str, Any]) -> ModelDims:
         """From a bundle manifest's model fingerprint (veloxquant.fingerprint)."""
         return cls(
-            L=int(fp["num_layers"]), H_q=int(fp["num_heads"]), H_kv=int(fp["num_kv_heads"]),
-            D=int(fp["head_dim"]), rope_theta=float(fp["rope_theta"]),
-            rope_traditional=bool(fp["rope_traditional"]), rope_scaling=fp.get("rope_scaling"),
+            L=int(fp["num_layers"]),
+            H_q=int(fp["num_heads"]),
+            H_kv=int(fp["num_kv_heads"]),
+            D=int(fp["head_dim"]),
+            rope_theta=float(fp["rope_theta"]),
+            rope_traditional=bool(fp["rope_traditional"]),
+            rope_scaling=fp.get("rope_scaling"),
             rope_dims=fp.get("rope_dims") or int(fp["head_dim"]),
         )
 
@@ -143,7 +149,7 @@ class Method:
     check_hyperparameters  (hyperparameters) -> None; raises ValueError naming the bad one.
     check_artifact (artifact, dims) -> None; value checks beyond shape and dtype (e.g. unit
                    norms), run by `bundle verify` and `make_cache` alike.
-    min_tokens     (hyperparameters) -> the fewest captured tokens calibration accepts.
+    min_tokens     (dims, hyperparameters) -> the fewest captured tokens calibration accepts.
     """
 
     name: str
@@ -159,7 +165,7 @@ class Method:
     tensor_specs: Callable[[ModelDims, dict[str, Any]], dict[str, TensorSpec]] | None = None
     check_hyperparameters: Callable[[dict[str, Any]], None] | None = None
     check_artifact: Callable[[Artifact, ModelDims], None] | None = None
-    min_tokens: Callable[[dict[str, Any]], int] | None = None
+    min_tokens: Callable[[ModelDims, dict[str, Any]], int] | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.fields) - set(KNOB_FIELDS)

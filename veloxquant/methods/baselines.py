@@ -12,13 +12,33 @@ from typing import Any
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from veloxquant.methods.base import Artifact, Method
 
-def make_caches(model: Any, config: Any) -> list:
-    n = len(model.layers)
-    if config.method == "fp16":
-        return [KVCache() for _ in range(n)]
-    if config.method == "quantized":
-        if config.bits not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(f"quantized cache needs bits in 2,3,4,5,6,8; got {config.bits}")
-        return [QuantizedKVCache(group_size=config.group_size, bits=config.bits) for _ in range(n)]
-    raise ValueError(f"baselines does not provide method {config.method!r}")
+QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def make_fp16_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
+    return [KVCache() for _ in model.layers]
+
+
+def make_quantized_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
+    if config.bits not in QUANTIZED_BITS or int(config.bits) != config.bits:
+        raise ValueError(
+            f"quantized cache needs bits in {','.join(map(str, QUANTIZED_BITS))}; got {config.bits}"
+        )
+    bits = int(config.bits)
+    return [QuantizedKVCache(group_size=config.group_size, bits=bits) for _ in model.layers]
+
+
+FP16 = Method(
+    name="fp16",
+    summary="uncompressed mlx-lm KVCache in the model dtype (the reference)",
+    make_caches=make_fp16_caches,
+)
+
+QUANTIZED = Method(
+    name="quantized",
+    summary="mlx-lm QuantizedKVCache: bits=2/3/4/5/6/8 per element, group_size=32/64/128",
+    make_caches=make_quantized_caches,
+    fields=("bits", "group_size"),
+)

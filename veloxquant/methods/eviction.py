@@ -13,12 +13,11 @@ Knobs (KVCacheConfig fields):
 - sinks:  protected first tokens (default min(4, B // 4)).
 - window: protected most recent tokens (default 3/4 of B), as the Q-Filters paper's cache keeps
   a recent window. B is the current budget in tokens. An int budget smaller than
-  sinks + window is an error. Why 3/4: on SmolLM2-135M and pydoc prose recency carries most of
-  the attention mass. With a 16-32 token window (1/8 of B) Q-Filters lost to StreamingLLM at
-  B = 128 and 256 of a 1024-token window; with 1/2 still at 128. Tuned on a calibration-split
-  window, 3/4 beat 1/2 and 7/8 in KL at B = 128/256/512, and on held-out text it then beat
-  StreamingLLM, K-norm and the fallback at every budget. The same default applies to every
-  eviction method, so comparisons at equal budget stay fair.
+  sinks + window is an error. Why 3/4: recency carries most of the attention mass on the default
+  model, and a short window (1/8 or 1/2 of B) made Q-Filters lose to StreamingLLM at small
+  budgets; 3/4 was chosen over 1/2 and 7/8 by KL on a calibration-split window, never on the
+  held-out text. The same default applies to every eviction method, so comparisons at equal
+  budget stay fair.
 
 How it runs (DESIGN.md section 7):
 - `update_and_fetch` appends the new keys/values and returns everything it holds, so attention for
@@ -33,7 +32,8 @@ How it runs (DESIGN.md section 7):
   their RoPE phase.
 - No `bits` attribute, `to_quantized` refuses, `merge` refuses (no silent batching), trimming is
   refused (evicted tokens cannot be restored). The classes are registered in
-  `mlx_lm.models.cache` so `save_prompt_cache` / `load_prompt_cache` round-trip.
+  `mlx_lm.models.cache` (veloxquant/methods/__init__.py) so `save_prompt_cache` /
+  `load_prompt_cache` round-trip.
 """
 
 from __future__ import annotations
@@ -43,12 +43,9 @@ import numbers
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from veloxquant.config import model_dims
-
-CALIBRATED = False  # streamingllm and knorm use no calibration artifact
+from veloxquant.methods.base import Artifact, Method, pack_state, unpack_state
 
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW_FRACTION = 0.75
@@ -61,7 +58,11 @@ def check_budget(budget: Any) -> int | float:
             "Eviction caches need a budget: KVCacheConfig(budget=256) keeps 256 tokens per layer "
             "and head; budget=0.25 keeps a quarter of the tokens seen."
         )
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not math.isfinite(budget):
+    if (
+        isinstance(budget, bool)
+        or not isinstance(budget, numbers.Real)
+        or not math.isfinite(budget)
+    ):
         raise ValueError(f"budget must be a number, got {budget!r}.")
     if 0 < budget < 1:
         return float(budget)
@@ -92,7 +93,9 @@ class EvictionCache(_BaseCache):
         self.offset = 0
         self.budget = check_budget(budget)
         for name, v in (("sinks", sinks), ("window", window)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0
+            ):
                 raise ValueError(f"{name} must be an integer >= 0 or None, got {v!r}.")
         self.sinks = None if sinks is None else int(sinks)
         self.window = None if window is None else int(window)
@@ -167,8 +170,9 @@ class EvictionCache(_BaseCache):
                 "(window_size is set by this model); use it with full-attention models."
             )
         # The stored past is size() tokens, not offset: all of it is visible to the new chunk.
-        return create_attention_mask(N, offset=self.size(), return_array=return_array,
-                                     window_size=None)
+        return create_attention_mask(
+            N, offset=self.size(), return_array=return_array, window_size=None
+        )
 
     def empty(self) -> bool:
         return self.keys is None
@@ -195,18 +199,36 @@ class EvictionCache(_BaseCache):
             "different tokens); generate one sequence at a time."
         )
 
+    # -- prompt-cache state: arrays by name, scalars in meta_state (methods/base.py) ----------
+
+    def state_arrays(self) -> dict:
+        return {"keys": self.keys, "values": self.values}
+
     @property
-    def state(self) -> tuple:
-        return (self.keys, self.values, self.offset, self.budget, self.sinks, self.window)
+    def meta_state(self) -> dict:
+        return {
+            "offset": self.offset,
+            "budget": str(self.budget),
+            "sinks": self.sinks,
+            "window": self.window,
+        }
+
+    def restore(self, arrays: dict, meta: dict) -> None:
+        # from_state skips __init__, so everything the cache needs is restored here
+        self.keys, self.values = arrays["keys"], arrays["values"]
+        self.offset = int(meta["offset"])
+        budget = str(meta["budget"])
+        self.budget = check_budget(int(budget) if budget.isdigit() else float(budget))
+        self.sinks = None if meta["sinks"] is None else int(meta["sinks"])
+        self.window = None if meta["window"] is None else int(meta["window"])
+
+    @property
+    def state(self) -> dict:
+        return pack_state(self.state_arrays(), self.meta_state)
 
     @state.setter
-    def state(self, v: tuple) -> None:
-        # from_state skips __init__, so everything the cache needs is restored here
-        self.keys, self.values, self.offset, budget, self.sinks, self.window = v[:6]
-        self.offset = int(self.offset)
-        self.budget = check_budget(budget)
-        self.sinks = None if self.sinks is None else int(self.sinks)
-        self.window = None if self.window is None else int(self.window)
+    def state(self, v: dict) -> None:
+        self.restore(*unpack_state(type(self).__name__, v))
 
 
 class StreamingLLMCache(EvictionCache):
@@ -225,21 +247,26 @@ class KNormCache(EvictionCache):
         return -mx.sqrt(mx.sum(k * k, axis=-1))
 
 
-for _cls in (StreamingLLMCache, KNormCache):  # so load_prompt_cache can find them by name
-    setattr(mlx_cache, _cls.__name__, _cls)
+def make_streamingllm_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
+    return [StreamingLLMCache(config.budget, config.sinks, config.window) for _ in model.layers]
 
 
-def model_kv_dims(model: Any) -> tuple[int, int, int]:
-    """(layers, KV heads, head_dim) of an mlx-lm model."""
-    d = model_dims(model)
-    return d["L"], d["H_kv"], d["D"]
+def make_knorm_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
+    return [KNormCache(config.budget, config.sinks, config.window) for _ in model.layers]
 
 
-def make_caches(model: Any, config: Any) -> list:
-    classes = {"streamingllm": StreamingLLMCache, "knorm": KNormCache}
-    if config.method not in classes:
-        raise ValueError(f"eviction does not provide method {config.method!r}")
-    if config.uncalibrated:
-        raise ValueError(f"{config.method} has no calibration, so no uncalibrated variant.")
-    cls = classes[config.method]
-    return [cls(config.budget, config.sinks, config.window) for _ in model.layers]
+STREAMINGLLM = Method(
+    name="streamingllm",
+    summary="eviction baseline: keep sinks + the most recent tokens (budget=N or fraction)",
+    make_caches=make_streamingllm_caches,
+    fields=("budget", "sinks", "window"),
+    cache_classes=(StreamingLLMCache,),
+)
+
+KNORM = Method(
+    name="knorm",
+    summary="eviction baseline: keep sinks + window + the keys of lowest L2 norm",
+    make_caches=make_knorm_caches,
+    fields=("budget", "sinks", "window"),
+    cache_classes=(KNormCache,),
+)

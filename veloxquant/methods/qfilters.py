@@ -37,16 +37,15 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm.models.cache as mlx_cache
 import numpy as np
 
-from veloxquant.config import model_dims
-from veloxquant.methods.eviction import EvictionCache, model_kv_dims
+from veloxquant.methods.base import Artifact, CalibrationInputs, Method, ModelDims, TensorSpec
+from veloxquant.methods.eviction import EvictionCache
 
-CALIBRATED = True
-METHOD = "qfilters"
-CAPTURE_POINT = "q_post"
 DEFAULT_FIT_TOKENS = 64
+DEFAULTS = {"max_rows_per_head": 3000, "seed": 0, "heldout_fraction": 0.2}
+# Both the SVD rows and the held-out rows the diagnostics are measured on need this many tokens.
+MIN_SPLIT_TOKENS = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,20 +78,30 @@ def _split_tokens(n: int, heldout_fraction: float, max_rows: int, seed: int):
     perm = np.random.default_rng(seed).permutation(n)
     n_held = int(round(n * heldout_fraction))
     held, train = np.sort(perm[:n_held]), perm[n_held:]
-    if len(held) < 16 or len(train) < 16:
+    if len(held) < MIN_SPLIT_TOKENS or len(train) < MIN_SPLIT_TOKENS:
+        need = min_tokens(None, {"heldout_fraction": heldout_fraction})
         raise ValueError(
-            f"Only {n} captured tokens: too few to fit filters and measure them on held-out "
-            "tokens. Raise the capture token_budget."
+            f"qfilters: only {n} captured tokens; it needs at least {need} to fit filters and "
+            "measure them on held-out tokens. Raise the capture token_budget."
         )
     return np.sort(train[:max_rows]), held
 
 
+def min_tokens(dims: ModelDims | None, hp: dict[str, Any]) -> int:
+    """The fewest captured tokens that leave MIN_SPLIT_TOKENS both for the SVD and held out."""
+    f = float(hp.get("heldout_fraction", DEFAULTS["heldout_fraction"]))
+    n = 2 * MIN_SPLIT_TOKENS
+    while int(round(n * f)) < MIN_SPLIT_TOKENS or n - int(round(n * f)) < MIN_SPLIT_TOKENS:
+        n += 1
+    return n
+
+
 def calibrate_qfilters(
     activations_dir: str | Path,
-    model_config_or_model: Any,
-    max_rows_per_head: int = 3000,
-    seed: int = 0,
-    heldout_fraction: float = 0.2,
+    model_or_dims: Any,
+    max_rows_per_head: int = DEFAULTS["max_rows_per_head"],
+    seed: int = DEFAULTS["seed"],
+    heldout_fraction: float = DEFAULTS["heldout_fraction"],
     progress: bool = True,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Q-Filters from captured q_post -> (tensors for the bundle, json diagnostics summary).
@@ -104,8 +113,8 @@ def calibrate_qfilters(
 
     from veloxquant.capture import load_activations, load_capture_info
 
-    dims = model_dims(model_config_or_model)
-    L, H_q, H_kv, D = dims["L"], dims["H_q"], dims["H_kv"], dims["D"]
+    dims = ModelDims.of(model_or_dims)
+    L, H_q, H_kv, D = dims.L, dims.H_q, dims.H_kv, dims.D
     if H_q % H_kv:
         raise ValueError(f"query heads {H_q} is not a multiple of KV heads {H_kv}.")
     G = H_q // H_kv
@@ -174,28 +183,36 @@ def calibrate_qfilters(
     return tensors, diagnostics
 
 
-def write_qfilters(
-    activations_dir: str | Path,
-    model_dir: str | Path,
-    bundle_dir: str | Path,
-    data_fingerprint: dict[str, Any],
-    max_rows_per_head: int = 3000,
-    seed: int = 0,
-    heldout_fraction: float = 0.2,
-    progress: bool = True,
-) -> Path:
-    """Calibrate from a capture dir and write `qfilters.safetensors` into a bundle."""
-    from veloxquant.bundle import write_method
+def calibrate(
+    inputs: CalibrationInputs, dims: ModelDims, hp: dict[str, Any], progress: bool
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    return calibrate_qfilters(inputs.activations_dir, dims, progress=progress, **hp)
 
-    tensors, diagnostics = calibrate_qfilters(
-        activations_dir, model_dir, max_rows_per_head, seed, heldout_fraction, progress
-    )
-    return write_method(
-        bundle_dir, METHOD, tensors, model_dir=model_dir, data_fingerprint=data_fingerprint,
-        capture_point=CAPTURE_POINT, diagnostics=diagnostics,
-        hyperparameters={"max_rows_per_head": max_rows_per_head, "seed": seed,
-                         "heldout_fraction": heldout_fraction},
-    )
+
+def check_hyperparameters(hp: dict[str, Any]) -> None:
+    if not isinstance(hp["max_rows_per_head"], int) or hp["max_rows_per_head"] < 1:
+        raise ValueError(
+            f"qfilters: max_rows_per_head must be an integer >= 1, got {hp['max_rows_per_head']!r}"
+        )
+    if not 0 < hp["heldout_fraction"] < 1:
+        raise ValueError(
+            f"qfilters: heldout_fraction must be in (0, 1), got {hp['heldout_fraction']!r}"
+        )
+
+
+def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
+    return {
+        # unit-norm filter per KV head, positive convention: score = +<k_post, f>, keep highest
+        "filters": TensorSpec((dims.L, dims.H_kv, dims.D), "float32"),
+        "sigma1": TensorSpec((dims.L, dims.H_q), "float32"),  # top singular value per q head
+        "kappa": TensorSpec((dims.L, dims.H_q), "float32"),  # held-out E<q, v1> (> 0)
+        "spearman": TensorSpec((dims.L,), "float32"),  # rank corr. of <k,f> vs E_q<q,k>
+        "spearman_fallback": TensorSpec((dims.L,), "float32"),  # same, unoriented key axis
+    }
+
+
+def check_artifact(artifact: Artifact, dims: ModelDims) -> None:
+    validate_filters(artifact.tensors["filters"], (dims.L, dims.H_kv, dims.D))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +254,9 @@ class QFiltersCache(EvictionCache):
         if filters is not None:
             shape = tuple(mx.array(filters).shape)
             if len(shape) != 2:
-                raise ValueError(f"QFiltersCache takes one layer's filters [H_kv, D]; got shape {list(shape)}.")
+                raise ValueError(
+                    f"QFiltersCache takes one layer's filters [H_kv, D]; got shape {list(shape)}."
+                )
             filters = validate_filters(filters, shape)
         self.filters = filters
         self.calibrated = filters is not None
@@ -248,7 +267,8 @@ class QFiltersCache(EvictionCache):
         if self.calibrated and tuple(self.filters.shape) != (keys.shape[1], keys.shape[3]):
             raise ValueError(
                 f"Q-Filters of shape {list(self.filters.shape)} do not fit keys with "
-                f"{keys.shape[1]} KV heads of dim {keys.shape[3]}: they were made for another model."
+                f"{keys.shape[1]} KV heads of dim {keys.shape[3]}: they were made for another "
+                "model."
             )
 
     def _evict(self) -> None:
@@ -267,32 +287,54 @@ class QFiltersCache(EvictionCache):
     def nbytes(self) -> int:
         return super().nbytes + (0 if self.filters is None else self.filters.nbytes)
 
+    def state_arrays(self) -> dict:
+        return {**super().state_arrays(), "filters": self.filters}
+
     @property
-    def state(self) -> tuple:
-        return super().state + (self.filters, self.calibrated, self.fit_tokens, self.fitted_on)
+    def meta_state(self) -> dict:
+        return {
+            **super().meta_state,
+            "calibrated": self.calibrated,
+            "fit_tokens": self.fit_tokens,
+            "fitted_on": self.fitted_on,
+        }
 
-    @state.setter
-    def state(self, v: tuple) -> None:
-        EvictionCache.state.fset(self, v[:6])
-        self.filters, calibrated, fit_tokens, fitted_on = v[6:]
-        self.calibrated, self.fit_tokens, self.fitted_on = bool(calibrated), int(fit_tokens), int(fitted_on)
+    def restore(self, arrays: dict, meta: dict) -> None:
+        super().restore(arrays, meta)
+        self.filters = arrays["filters"]
+        self.calibrated = bool(meta["calibrated"])
+        self.fit_tokens, self.fitted_on = int(meta["fit_tokens"]), int(meta["fitted_on"])
 
 
-setattr(mlx_cache, QFiltersCache.__name__, QFiltersCache)  # for load_prompt_cache
-
-
-def make_caches(model: Any, config: Any) -> list:
-    L, H_kv, D = model_kv_dims(model)
+def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
+    dims = ModelDims.of(model)
     fit_tokens = int(config.options.get("fit_tokens", DEFAULT_FIT_TOKENS))
-    unknown = set(config.options) - {"fit_tokens"}
-    if unknown:
-        raise ValueError(f"qfilters: unknown options {sorted(unknown)}; known: ['fit_tokens'].")
-    if config.uncalibrated:
-        return [QFiltersCache(None, config.budget, config.sinks, config.window, fit_tokens)
-                for _ in range(L)]
-    from veloxquant.bundle import require_method
+    if artifact is None:  # the uncalibrated key-SVD fallback
+        return [
+            QFiltersCache(None, config.budget, config.sinks, config.window, fit_tokens)
+            for _ in range(dims.L)
+        ]
+    filters = validate_filters(artifact.tensors["filters"], (dims.L, dims.H_kv, dims.D))
+    return [
+        QFiltersCache(filters[i], config.budget, config.sinks, config.window, fit_tokens)
+        for i in range(dims.L)
+    ]
 
-    tensors, _ = require_method(model, config, METHOD)
-    filters = validate_filters(tensors["filters"], (L, H_kv, D))
-    return [QFiltersCache(filters[i], config.budget, config.sinks, config.window, fit_tokens)
-            for i in range(L)]
+
+METHOD = Method(
+    name="qfilters",
+    summary="Q-Filters eviction: keep sinks + window + keys with the highest <k, f>, f from an "
+    "SVD of calibration queries (budget=N or fraction)",
+    make_caches=make_caches,
+    fields=("budget", "sinks", "window"),
+    options={"fit_tokens": DEFAULT_FIT_TOKENS},
+    cache_classes=(QFiltersCache,),
+    calibrated=True,
+    capture_point="q_post",
+    defaults=DEFAULTS,
+    calibrate=calibrate,
+    tensor_specs=tensor_specs,
+    check_hyperparameters=check_hyperparameters,
+    check_artifact=check_artifact,
+    min_tokens=min_tokens,
+)

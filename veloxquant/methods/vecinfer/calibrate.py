@@ -1,0 +1,329 @@
+"""VecInfer calibration: smooth scales and per-(layer, KV head) product-VQ codebooks from a
+capture dir (`k_post`, `v`, and the exact `k_post.absmax` over every captured token).
+
+- smooth scales λ[l, h, c] = sqrt(max_t |k_post[t, h, c]|). Per layer, channel maxima above the
+  `clip_percentile` percentile (over that layer's H_kv·D channel maxima; the default 99.9 clips
+  only the most extreme channel or two) are clipped to it, and λ is floored at `floor` so that a
+  dead channel cannot blow k ⊘ λ up.
+- keys are coded in the transformed space k̃ = H·(k ⊘ λ) (veloxquant/methods/vecinfer/
+  transform.py), values raw.
+- product VQ: each D-vector is cut into D/d sub-vectors that share one codebook of 2^b centroids
+  per (layer, KV head) (share="head", default) or per layer (share="layer"); batched GEMM
+  k-means (`veloxquant.kmeans`), k-means++ init, dead centroids reseeded, fixed seed.
+- diagnostics on held-out captured tokens the k-means never saw: reconstruction MSE (also
+  relative to E[x²]) and mean cosine of keys in the original space (after the inverse transform)
+  and of values; dead centroids and code-usage entropy of the training assignment; per layer.
+
+The uncalibrated reference (`gaussian_codebook`): codebooks from the same k-means on N(0, 1)
+samples, λ = 1, Hadamard on: what upstream ships.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from veloxquant.kmeans import assign, check_finite, kmeans, product_kmeans
+from veloxquant.methods.base import Artifact, CalibrationInputs, ModelDims, TensorSpec
+from veloxquant.methods.vecinfer.transform import (
+    check_hadamard_dim,
+    inverse_smooth_transform,
+    smooth_scales,
+    smooth_transform,
+)
+
+DEFAULTS: dict[str, Any] = {
+    "key_sub_dim": 4,
+    "key_bits": 8,
+    "value_sub_dim": 4,
+    "value_bits": 8,
+    "share": "head",
+    "smooth": True,
+    "hadamard": True,
+    "clip_percentile": 99.9,
+    "floor": 1e-2,
+    "iters": 16,
+    "seed": 0,
+    # training sub-vectors per codebook (a seeded subset): 128 per centroid at d4b8; bounds the
+    # [vectors × centroids] distance work per Lloyd iteration on CPU (d8b12: 8 per centroid).
+    "max_vectors": 32768,
+    "heldout_fraction": 0.1,
+}
+# The hyperparameters that define the codebooks' shapes and the runtime transform; the
+# uncalibrated variant takes them as KVCacheConfig.options.
+SHAPE_KEYS = ("key_sub_dim", "key_bits", "value_sub_dim", "value_bits", "share", "hadamard")
+
+
+def check_hyperparameters(hp: dict[str, Any]) -> None:
+    for side in ("key", "value"):
+        bits, sub = hp[f"{side}_bits"], hp[f"{side}_sub_dim"]
+        if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 16:
+            raise ValueError(f"vecinfer: {side}_bits must be an integer in [1, 16], got {bits!r}")
+        if isinstance(sub, bool) or not isinstance(sub, (int, np.integer)) or sub < 1:
+            raise ValueError(f"vecinfer: {side}_sub_dim must be an integer >= 1, got {sub!r}")
+    if hp["share"] not in ("head", "layer"):
+        raise ValueError(f"vecinfer: share must be 'head' or 'layer', got {hp['share']!r}")
+    if not 0 < hp["clip_percentile"] <= 100:
+        raise ValueError(
+            f"vecinfer: clip_percentile must be in (0, 100], got {hp['clip_percentile']}"
+        )
+    if not hp["floor"] > 0:
+        raise ValueError(f"vecinfer: floor must be > 0, got {hp['floor']}")
+    if not 0 < hp["heldout_fraction"] < 1:
+        raise ValueError(
+            f"vecinfer: heldout_fraction must be in (0, 1), got {hp['heldout_fraction']}"
+        )
+
+
+def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
+    books = dims.H_kv if hp["share"] == "head" else 1
+    return {
+        "smooth": TensorSpec((dims.L, dims.H_kv, dims.D), "float32"),
+        "key_codebook": TensorSpec(
+            (dims.L, books, 2 ** int(hp["key_bits"]), int(hp["key_sub_dim"])), "float32"
+        ),
+        "value_codebook": TensorSpec(
+            (dims.L, books, 2 ** int(hp["value_bits"]), int(hp["value_sub_dim"])), "float32"
+        ),
+    }
+
+
+def check_artifact(artifact: Artifact, dims: ModelDims) -> None:
+    missing = [k for k in SHAPE_KEYS if k not in artifact.hyperparameters]
+    if missing:
+        raise ValueError(f"vecinfer artifact lacks hyperparameters {missing}; recalibrate it")
+    check_hyperparameters({**DEFAULTS, **artifact.hyperparameters})
+    smooth = artifact.tensors["smooth"]
+    if not bool(mx.all(smooth > 0).item()):
+        raise ValueError("vecinfer smooth scales must be > 0 (a scale of 0 divides keys by 0)")
+
+
+def min_tokens(dims: ModelDims, hp: dict[str, Any]) -> int:
+    """The fewest captured tokens whose training part gives every codebook at least as many
+    sub-vectors as it has centroids (after holding out `heldout_fraction`)."""
+    per_group = 1 if hp["share"] == "head" else dims.H_kv
+    need = 0
+    for side in ("key", "value"):
+        n_sub = dims.D // int(hp[f"{side}_sub_dim"])
+        need = max(need, math.ceil(2 ** int(hp[f"{side}_bits"]) / (n_sub * per_group)))
+    n = need + 1
+    while n - _n_heldout(n, hp["heldout_fraction"]) < need:
+        n += 1
+    return n
+
+
+def _n_heldout(n_tokens: int, fraction: float) -> int:
+    return max(1, int(round(n_tokens * fraction)))
+
+
+def calibrate(
+    inputs: CalibrationInputs, dims: ModelDims, hp: dict[str, Any], progress: bool
+) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    return calibrate_vecinfer(inputs.activations_dir, dims, progress=progress, **hp)
+
+
+def _encode_decode(x: mx.array, codebook: mx.array, sub_dim: int) -> tuple[mx.array, mx.array]:
+    """Product-quantize x [G, n, D] with codebook [G, K, d] → (reconstruction, codes [G, n·M])."""
+    g, n, dim = x.shape
+    sub = x.reshape(g, n * (dim // sub_dim), sub_dim)
+    codes, _ = assign(sub, codebook)
+    rec = mx.take_along_axis(codebook, codes[..., None].astype(mx.int32), axis=1)
+    return rec.reshape(g, n, dim), codes
+
+
+def calibrate_vecinfer(
+    activations_dir: str | Path,
+    model_or_dims: Any,
+    *,
+    key_sub_dim: int = DEFAULTS["key_sub_dim"],
+    key_bits: int = DEFAULTS["key_bits"],
+    value_sub_dim: int = DEFAULTS["value_sub_dim"],
+    value_bits: int = DEFAULTS["value_bits"],
+    share: str = DEFAULTS["share"],
+    smooth: bool = DEFAULTS["smooth"],
+    hadamard: bool = DEFAULTS["hadamard"],
+    clip_percentile: float = DEFAULTS["clip_percentile"],
+    floor: float = DEFAULTS["floor"],
+    iters: int = DEFAULTS["iters"],
+    seed: int = DEFAULTS["seed"],
+    max_vectors: int | None = DEFAULTS["max_vectors"],
+    heldout_fraction: float = DEFAULTS["heldout_fraction"],
+    progress: bool = True,
+) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """Smooth scales + per-(layer, KV head) product-VQ codebooks from a capture dir.
+
+    Returns (tensors for the bundle: smooth [L, H_kv, D], key_codebook [L, H_share, 2^kb, kd],
+    value_codebook [L, H_share, 2^vb, vd], all f32; json diagnostics). Deterministic in
+    (inputs, seed).
+    """
+    from tqdm.auto import tqdm
+
+    from veloxquant.capture import load_activations, load_capture_info, load_stats
+
+    hp = dict(
+        DEFAULTS,
+        key_sub_dim=key_sub_dim,
+        key_bits=key_bits,
+        value_sub_dim=value_sub_dim,
+        value_bits=value_bits,
+        share=share,
+        smooth=smooth,
+        hadamard=hadamard,
+        clip_percentile=clip_percentile,
+        floor=floor,
+        iters=iters,
+        seed=seed,
+        max_vectors=max_vectors,
+        heldout_fraction=heldout_fraction,
+    )
+    check_hyperparameters(hp)
+    dims = ModelDims.of(model_or_dims)
+    n_layers, n_heads, head_dim = dims.L, dims.H_kv, dims.D
+    for side in ("key", "value"):
+        if head_dim % hp[f"{side}_sub_dim"]:
+            raise ValueError(
+                f"vecinfer: {side}_sub_dim {hp[f'{side}_sub_dim']} must divide head_dim {head_dim}"
+            )
+    if hadamard:
+        check_hadamard_dim(head_dim)
+
+    info = load_capture_info(activations_dir)
+    if info["num_layers"] != n_layers:
+        raise ValueError(
+            f"capture {activations_dir} has {info['num_layers']} layers but the model has "
+            f"{n_layers}; capture this model's activations first"
+        )
+    absmax = load_stats(activations_dir)["k_post.absmax"]
+    if tuple(absmax.shape) != (n_layers, n_heads, head_dim):
+        raise ValueError(
+            f"k_post.absmax has shape {list(absmax.shape)}, expected "
+            f"{[n_layers, n_heads, head_dim]} for this model"
+        )
+    lam = (
+        smooth_scales(absmax, clip_percentile, floor)
+        if smooth
+        else mx.ones((n_layers, n_heads, head_dim), dtype=mx.float32)
+    )
+
+    n_tokens = int(info["n_sampled"])
+    perm = np.random.default_rng(seed).permutation(n_tokens)
+    n_held = _n_heldout(n_tokens, heldout_fraction)
+    held_idx, train_idx = mx.array(np.sort(perm[:n_held])), mx.array(np.sort(perm[n_held:]))
+    per_group = 1 if share == "head" else n_heads
+    for side in ("key", "value"):
+        k_cent, n_sub = 2 ** hp[f"{side}_bits"], head_dim // hp[f"{side}_sub_dim"]
+        have = len(train_idx) * n_sub * per_group
+        if have < k_cent:
+            need = min_tokens(dims, hp)
+            raise ValueError(
+                f"vecinfer: {side} codebook d{hp[f'{side}_sub_dim']}b{hp[f'{side}_bits']} has "
+                f"{k_cent} centroids but only {have} training sub-vectors per codebook "
+                f"({len(train_idx)} training tokens of {n_tokens} captured); need at least "
+                f"{need} captured tokens. Raise the capture token_budget."
+            )
+
+    # Load every layer once: [L, n, H, D] per side (2·L·n·H·D·4 bytes, ~190 MB for the default
+    # model at 8192 tokens), so the k-means below runs all L·H codebooks as one batch.
+    keys, values = [], []
+    for layer in tqdm(range(n_layers), desc="vecinfer load", unit="layer", disable=not progress):
+        acts = load_activations(activations_dir, layer, ["k_post", "v"])
+        check_finite(acts["k_post"], f"layer {layer} k_post")
+        check_finite(acts["v"], f"layer {layer} v")
+        keys.append(acts["k_post"])
+        values.append(acts["v"])
+    keys, values = mx.stack(keys), mx.stack(values)
+    if tuple(keys.shape[2:]) != (n_heads, head_dim) or tuple(values.shape[2:]) != (
+        n_heads,
+        head_dim,
+    ):
+        raise ValueError(
+            f"captured k_post/v have per-token shape {list(keys.shape[2:])}/"
+            f"{list(values.shape[2:])}, expected {[n_heads, head_dim]} for this model"
+        )
+    lam_b = lam[:, None]  # [L, 1, H, D] against [L, n, H, D]
+    spaces = {"key": smooth_transform(keys, lam_b, hadamard), "value": values}
+
+    def groups(x: mx.array) -> mx.array:  # [L, n, H, D] -> [L·H_share, n·(H/H_share), D]
+        n_l, n, h, d = x.shape
+        if share == "head":
+            return x.transpose(0, 2, 1, 3).reshape(n_l * h, n, d)
+        return x.reshape(n_l, n * h, d)
+
+    def ungroup(x: mx.array) -> mx.array:  # inverse of groups
+        if share == "head":
+            return x.reshape(n_layers, n_heads, -1, head_dim).transpose(0, 2, 1, 3)
+        return x.reshape(n_layers, -1, n_heads, head_dim)
+
+    books: dict[str, mx.array] = {}
+    diag: dict[str, list] = {}
+    for side in ("key", "value"):
+        sub_dim, bits = hp[f"{side}_sub_dim"], hp[f"{side}_bits"]
+        x = spaces[side]
+        res = product_kmeans(
+            groups(x[:, train_idx]),
+            sub_dim,
+            2**bits,
+            max_vectors=max_vectors,
+            iters=iters,
+            seed=seed + (side == "value"),
+            progress=progress,
+            desc=f"vecinfer {side}s d{sub_dim}b{bits}",
+        )
+        books[side] = res.centroids.reshape(n_layers, -1, 2**bits, sub_dim)
+        diag[f"{side}_dead"] = res.dead.reshape(n_layers, -1).sum(axis=1).tolist()
+        diag[f"{side}_entropy_bits"] = (
+            res.usage_entropy_bits().reshape(n_layers, -1).mean(axis=1).tolist()
+        )
+        # Held-out reconstruction (tokens k-means never saw), in the original space for keys.
+        rec, _ = _encode_decode(groups(x[:, held_idx]), res.centroids, sub_dim)
+        rec = ungroup(rec)
+        orig = (keys if side == "key" else values)[:, held_idx]
+        if side == "key":
+            rec = inverse_smooth_transform(rec, lam_b, hadamard)
+        mse = mx.mean((rec - orig) ** 2, axis=(1, 2, 3))
+        power = mx.mean(orig * orig, axis=(1, 2, 3))
+        cos = (rec * orig).sum(-1) / mx.maximum(
+            mx.sqrt((rec * rec).sum(-1) * (orig * orig).sum(-1)), 1e-12
+        )
+        diag[f"{side}_mse"] = mse.tolist()
+        diag[f"{side}_rel_mse"] = (mse / mx.maximum(power, 1e-30)).tolist()
+        diag[f"{side}_cos"] = cos.mean(axis=(1, 2)).tolist()
+
+    tensors = {
+        "smooth": lam,
+        "key_codebook": books["key"],
+        "value_codebook": books["value"],
+    }
+    mx.eval(tensors)
+    diagnostics: dict[str, Any] = {
+        "per_layer": diag,
+        "n_train_tokens": int(len(train_idx)),
+        "n_heldout_tokens": int(len(held_idx)),
+        "tokens_seen": int(info["tokens_seen"]),
+        "smooth_min": float(lam.min().item()),
+        "smooth_max": float(lam.max().item()),
+    }
+    for name, values in diag.items():
+        diagnostics[f"mean_{name}"] = float(np.mean(values))
+    for name in ("key_rel_mse", "value_rel_mse"):
+        diagnostics[f"worst_{name}"] = float(np.max(diag[name]))
+        diagnostics[f"worst_{name}_layer"] = int(np.argmax(diag[name]))
+    return tensors, diagnostics
+
+
+@functools.lru_cache(maxsize=8)
+def gaussian_codebook(sub_dim: int, bits: int, seed: int = 0, iters: int = 10) -> mx.array:
+    """[2^bits, sub_dim] codebook from the same k-means on N(0, 1) samples (32 per centroid,
+    capped at 2^16, i.e. 16 per centroid for d8b12): the uncalibrated reference. Memoised: one
+    per process and shape (d8b12 takes ~30 s on a 2-core CPU, d4b8 ~1 s)."""
+    k = 2**bits
+    n = min(32 * k, 1 << 16)
+    x = mx.random.normal((1, n, sub_dim), key=mx.random.key(seed))
+    return kmeans(x, k, iters=iters, seed=seed, progress=False, desc="gaussian codebook").centroids[
+        0
+    ]
