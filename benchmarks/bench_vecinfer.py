@@ -158,14 +158,14 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
     chunk = mx.array(rng.normal(size=(1, a.num_key_value_heads, 64, a.head_dim)).astype(np.float32))
     fp_caches = filled_caches(model, None, 1024)
     for x in (one, chunk):
-        mx.eval(cache.encode_keys(x), cache.encode_values(x))
+        mx.eval(cache.encode_keys(x, 0), cache.encode_values(x))
     enc1, enc64, fp_step = [], [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        mx.eval(cache.encode_keys(one), cache.encode_values(one))
+        mx.eval(cache.encode_keys(one, 0), cache.encode_values(one))
         enc1.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        mx.eval(cache.encode_keys(chunk), cache.encode_values(chunk))
+        mx.eval(cache.encode_keys(chunk, 0), cache.encode_values(chunk))
         enc64.append((time.perf_counter() - t0) / 64)
         t0 = time.perf_counter()
         decode_step(model, fp_caches, token)

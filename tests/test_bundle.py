@@ -68,7 +68,10 @@ def qfilters_tensors(seed: int = 0) -> dict[str, np.ndarray]:
 def vecinfer_tensors(seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {
-        "smooth": rng.random((L, H_KV, D), np.float32),
+        "smooth": rng.random((L, H_KV, D), np.float32) + 0.5,
+        "value_smooth": rng.random((L, H_KV, D), np.float32) + 0.5,
+        "key_mean": rng.standard_normal((L, H_KV, D)).astype(np.float32),
+        "value_mean": rng.standard_normal((L, H_KV, D)).astype(np.float32),
         "key_codebook": rng.standard_normal((L, 1, 256, 4)).astype(np.float32),
         "value_codebook": rng.standard_normal((L, 1, 256, 4)).astype(np.float32),
     }

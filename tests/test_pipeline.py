@@ -38,7 +38,7 @@ def _shrink_conf(conf: Path) -> None:
         "method/vecinfer/default.yaml",
         iters=2,
         max_vectors=2048,
-        variants={"nosmooth": {"smooth": False}},
+        variants={"nosmooth": {"smooth": "none"}},
     )
     rows = yaml.safe_load((conf / "eval/default.yaml").read_text())["rows"]
     keep = {
@@ -46,9 +46,9 @@ def _shrink_conf(conf: Path) -> None:
         "mlx-q4",
         "qfilters-25%",
         "qfilters-25%-uncalibrated",
-        "vecinfer-2bit",
-        "vecinfer-2bit-uncalibrated",
-        "vecinfer-2bit-nosmooth",
+        "vecinfer",
+        "vecinfer-uncalibrated",
+        "vecinfer-nosmooth",
     }
     edit(
         "eval/default.yaml",
@@ -122,10 +122,10 @@ def test_dvc_repro_end_to_end(repo):
     assert 0 < metrics["mlx-q4"]["kl"] < 1.0
     manifest = json.loads((a / "bundle" / "manifest.json").read_text())
     assert set(manifest["methods"]) == {"qfilters", "vecinfer"}
-    for row in ("qfilters-25%", "vecinfer-2bit", "vecinfer-2bit-nosmooth"):
+    for row in ("qfilters-25%", "vecinfer", "vecinfer-nosmooth"):
         assert metrics[row]["kl"] < 1.0, (row, metrics[row])
     # the tiny calibration still beats the Gaussian codebooks upstream ships
-    assert metrics["vecinfer-2bit"]["kl"] < metrics["vecinfer-2bit-uncalibrated"]["kl"]
+    assert metrics["vecinfer"]["kl"] < metrics["vecinfer-uncalibrated"]["kl"]
 
     # A second repro is a no-op.
     again = _run([_dvc(), "repro"], repo)

@@ -14,17 +14,15 @@ from veloxquant.kmeans import nearest
 
 
 def code_bytes(bits: int, n_codes: int) -> int:
-    """Bytes per vector of n_codes codes as stored: 8/bits codes per byte when bits divides 8,
-    two 12-bit codes per 3 bytes, else one uint8 (bits < 8) or uint16 (bits <= 16) per code."""
-    if bits in (1, 2, 4, 8) and (n_codes * bits) % 8 == 0:
-        return n_codes * bits // 8
-    if bits == 12 and n_codes % 2 == 0:
-        return n_codes * 3 // 2
-    return n_codes * (1 if bits <= 8 else 2)
+    """Bytes per vector of n_codes codes of `bits` bits, packed back to back into whole bytes:
+    ceil(n_codes · bits / 8)."""
+    return -(-n_codes * bits // 8)
 
 
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
-    """codes [..., M] (< 2**bits) -> packed [..., code_bytes(bits, M)] uint8/uint16."""
+    """codes [..., M] (< 2**bits) -> packed uint8 [..., code_bytes(bits, M)], little-endian bit
+    order. Byte-aligned widths (8, and 1/2/4 when they fill whole bytes) and 12 bits (two codes
+    per 3 bytes) take fast paths; every other width goes through a bit expansion."""
     m = codes.shape[-1]
     if bits == 8:
         return codes.astype(mx.uint8)
@@ -38,7 +36,14 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
         a, b = c[..., 0::2], c[..., 1::2]
         packed = mx.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], axis=-1)
         return packed.reshape(*c.shape[:-1], m // 2 * 3).astype(mx.uint8)
-    return c.astype(mx.uint8 if bits <= 8 else mx.uint16)
+    n_bytes = code_bytes(bits, m)
+    bit = (c[..., None] >> mx.arange(bits, dtype=mx.uint32)) & 1  # [..., M, bits]
+    bit = bit.reshape(*c.shape[:-1], m * bits)
+    pad = n_bytes * 8 - m * bits
+    if pad:
+        bit = mx.concatenate([bit, mx.zeros((*c.shape[:-1], pad), dtype=mx.uint32)], axis=-1)
+    bit = bit.reshape(*c.shape[:-1], n_bytes, 8)
+    return (bit << mx.arange(8, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint8)
 
 
 def unpack_codes(packed: mx.array, bits: int, n_codes: int) -> mx.array:
@@ -57,7 +62,9 @@ def unpack_codes(packed: mx.array, bits: int, n_codes: int) -> mx.array:
         a = p[..., 0] | ((p[..., 1] & 0xF) << 8)
         b = (p[..., 1] >> 4) | (p[..., 2] << 4)
         return mx.stack([a, b], axis=-1).reshape(*p.shape[:-2], m)
-    return p
+    bit = (p[..., None] >> mx.arange(8, dtype=mx.uint32)) & 1  # [..., n_bytes, 8]
+    bit = bit.reshape(*p.shape[:-1], -1)[..., : m * bits].reshape(*p.shape[:-1], m, bits)
+    return (bit << mx.arange(bits, dtype=mx.uint32)).sum(axis=-1)
 
 
 def pq_encode(x: mx.array, codebook: mx.array, sub_dim: int, bits: int) -> mx.array:

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from veloxquant.codes import pq_decode, pq_encode
 from veloxquant.kmeans import check_finite
 from veloxquant.methods.base import Artifact, ModelDims, pack_state, unpack_state
+from veloxquant.rope import RopeSpec, rotated_mean
 from veloxquant.methods.vecinfer.calibrate import DEFAULTS, check_hyperparameters, gaussian_codebook
 from veloxquant.methods.vecinfer.transform import (
     check_hadamard_dim,
@@ -31,9 +32,9 @@ from veloxquant.methods.vecinfer.transform import (
     smooth_transform,
 )
 
-# 48 fp16 recent tokens spend the 3-bit budget at 1024 tokens where it buys the most: keys
+# 46 fp16 recent tokens fill the 3-bit budget at 1024 tokens beside the default codes: keys
 # carry the loss, and the newest keys get the most attention.
-DEFAULT_WINDOW = 48
+DEFAULT_WINDOW = 46
 DEFAULT_SINKS = 4
 
 
@@ -57,8 +58,17 @@ class VecInferCache(_BaseCache):
         hadamard: bool,
         window: int = DEFAULT_WINDOW,
         sinks: int = DEFAULT_SINKS,
+        key_mean: mx.array | None = None,
+        value_mean: mx.array | None = None,
+        rope: RopeSpec | None = None,
+        value_smooth: mx.array | None = None,
     ):
         h, d = smooth.shape
+        for name, mean in (("key_mean", key_mean), ("value_mean", value_mean)):
+            if mean is not None and tuple(mean.shape) != (h, d):
+                raise ValueError(f"vecinfer: {name} has shape {list(mean.shape)}, need [{h}, {d}]")
+        if key_mean is not None and rope is None:
+            raise ValueError("vecinfer: a key mean needs the model's RoPE to rotate it")
         for side, book, bits, sub in (
             ("key", key_codebook, key_bits, key_sub_dim),
             ("value", value_codebook, value_bits, value_sub_dim),
@@ -80,7 +90,14 @@ class VecInferCache(_BaseCache):
             check_hadamard_dim(d)
         if window < 0 or sinks < 0:
             raise ValueError(f"vecinfer: window and sinks must be >= 0, got {window}, {sinks}")
-        self.smooth = smooth.astype(mx.float32)
+        self.smooth = smooth.astype(mx.float16)  # calibration used these fp16 values
+        # Means are resident in fp16, and calibration coded exactly these fp16 values.
+        self.key_mean = None if key_mean is None else key_mean.astype(mx.float16)
+        self.value_mean = None if value_mean is None else value_mean.astype(mx.float16)
+        self.rope = rope
+        self.rope_freqs = None if rope is None else rope.freqs
+        # values are scaled and rotated like keys only when calibrated with value_smooth
+        self.value_smooth = None if value_smooth is None else value_smooth.astype(mx.float16)
         self.key_codebook = key_codebook.astype(mx.float16)
         self.value_codebook = value_codebook.astype(mx.float16)
         self.key_bits, self.key_sub_dim = int(key_bits), int(key_sub_dim)
@@ -95,28 +112,47 @@ class VecInferCache(_BaseCache):
     # -- encode / decode (float32)
 
     def _lam(self) -> mx.array:
-        return self.smooth[:, None, :]  # [H, 1, D] against [B, H, T, D]
+        return self.smooth.astype(mx.float32)[:, None, :]  # [H, 1, D] against [B, H, T, D]
 
-    def encode_keys(self, keys: mx.array) -> mx.array:
-        """keys [B, H, T, D] → packed key codes (smooth, rotate, nearest codeword)."""
-        kt = smooth_transform(keys.astype(mx.float32), self._lam(), self.hadamard)
+    def _lam_v(self) -> mx.array:
+        return self.value_smooth.astype(mx.float32)[:, None, :]
+
+    def _key_shift(self, start: int, length: int) -> mx.array | float:
+        """RoPE_m(μ) for positions start .. start + length - 1 (0 without a key mean)."""
+        if self.key_mean is None:
+            return 0.0
+        return rotated_mean(self.key_mean.astype(mx.float32), self.rope, start, length)
+
+    def _value_shift(self) -> mx.array | float:
+        return 0.0 if self.value_mean is None else self.value_mean.astype(mx.float32)[:, None]
+
+    def encode_keys(self, keys: mx.array, start: int) -> mx.array:
+        """keys [B, H, T, D] at positions start.. → packed codes of the residual k − RoPE_m(μ)
+        (smooth, rotate, nearest codeword)."""
+        res = keys.astype(mx.float32) - self._key_shift(start, keys.shape[2])
+        kt = smooth_transform(res, self._lam(), self.hadamard)
         return pq_encode(kt, self.key_codebook, self.key_sub_dim, self.key_bits)
 
-    def decode_keys(self, packed: mx.array) -> mx.array:
+    def decode_keys(self, packed: mx.array, start: int) -> mx.array:
         kt = pq_decode(
             packed, self.key_codebook, self.key_sub_dim, self.key_bits, self.smooth.shape[-1]
         )
-        return inverse_smooth_transform(kt, self._lam(), self.hadamard)
+        res = inverse_smooth_transform(kt, self._lam(), self.hadamard)
+        return res + self._key_shift(start, packed.shape[2])
 
     def encode_values(self, values: mx.array) -> mx.array:
-        return pq_encode(
-            values.astype(mx.float32), self.value_codebook, self.value_sub_dim, self.value_bits
-        )
+        res = values.astype(mx.float32) - self._value_shift()
+        if self.value_smooth is not None:
+            res = smooth_transform(res, self._lam_v(), self.hadamard)
+        return pq_encode(res, self.value_codebook, self.value_sub_dim, self.value_bits)
 
     def decode_values(self, packed: mx.array) -> mx.array:
-        return pq_decode(
+        res = pq_decode(
             packed, self.value_codebook, self.value_sub_dim, self.value_bits, self.smooth.shape[-1]
         )
+        if self.value_smooth is not None:
+            res = inverse_smooth_transform(res, self._lam_v(), self.hadamard)
+        return res + self._value_shift()
 
     # -- mlx-lm cache protocol
 
@@ -141,7 +177,9 @@ class VecInferCache(_BaseCache):
             recent_v = mx.concatenate([self.window_values.astype(mx.float32), recent_v], axis=2)
         # Transient dequantization of the coded past; attention sees it, nothing keeps it.
         if self.key_codes is not None:
-            out_k = mx.concatenate([self.decode_keys(self.key_codes), recent_k], axis=2)
+            # coded tokens are contiguous from position `sinks` on
+            past_k = self.decode_keys(self.key_codes, self.sinks)
+            out_k = mx.concatenate([past_k, recent_k], axis=2)
             out_v = mx.concatenate([self.decode_values(self.value_codes), recent_v], axis=2)
         else:
             out_k, out_v = recent_k, recent_v
@@ -150,7 +188,8 @@ class VecInferCache(_BaseCache):
             out_v = mx.concatenate([self.sink_values.astype(mx.float32), out_v], axis=2)
         n_old = recent_k.shape[2] - self.window
         if n_old > 0:
-            new_kc = self.encode_keys(recent_k[:, :, :n_old])
+            n_coded = 0 if self.key_codes is None else self.key_codes.shape[2]
+            new_kc = self.encode_keys(recent_k[:, :, :n_old], self.sinks + n_coded)
             new_vc = self.encode_values(recent_v[:, :, :n_old])
             if self.key_codes is None:
                 self.key_codes, self.value_codes = new_kc, new_vc
@@ -186,19 +225,10 @@ class VecInferCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         # Everything resident and nothing else: packed codes, the fp16 window and sinks, this
-        # layer's fp16 codebooks (so once per layer) and f32 smooth scales. The dequantized
-        # keys/values built in update_and_fetch are transient and not counted.
-        arrays = (
-            self.key_codes,
-            self.value_codes,
-            self.window_keys,
-            self.window_values,
-            self.sink_keys,
-            self.sink_values,
-            self.key_codebook,
-            self.value_codebook,
-            self.smooth,
-        )
+        # layer's fp16 codebooks, means and smooth scales (so once per layer), f32 RoPE
+        # frequencies. The dequantized keys/values built in update_and_fetch are transient and
+        # not counted.
+        arrays = (getattr(self, name) for name in self._ARRAYS)
         return int(sum(a.nbytes for a in arrays if a is not None))
 
     # -- prompt-cache state: arrays by name, scalars in meta_state (methods/base.py)
@@ -213,6 +243,10 @@ class VecInferCache(_BaseCache):
         "smooth",
         "key_codebook",
         "value_codebook",
+        "key_mean",
+        "value_mean",
+        "rope_freqs",
+        "value_smooth",
     )
 
     @property
@@ -226,6 +260,7 @@ class VecInferCache(_BaseCache):
             "hadamard": self.hadamard,
             "window": self.window,
             "sinks": self.sinks,
+            **(self.rope.meta() if self.rope is not None else {"rope_dims": None}),
         }
 
     @property
@@ -241,6 +276,8 @@ class VecInferCache(_BaseCache):
         self.key_bits, self.key_sub_dim = int(meta["key_bits"]), int(meta["key_sub_dim"])
         self.value_bits, self.value_sub_dim = int(meta["value_bits"]), int(meta["value_sub_dim"])
         self.hadamard = bool(meta["hadamard"])
+        no_rope = meta["rope_dims"] is None
+        self.rope = None if no_rope else RopeSpec.from_meta(meta, self.rope_freqs)
 
 
 def _check_options(options: dict, hp: dict) -> None:
@@ -266,6 +303,7 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[VecI
             cb = gaussian_codebook(hp[f"{side}_sub_dim"], hp[f"{side}_bits"], hp["seed"])
             books[side] = mx.broadcast_to(cb[None, None], (dims.L, n_books, *cb.shape))
         smooth = mx.ones((dims.L, dims.H_kv, dims.D), dtype=mx.float32)
+        means = value_smooth = None
     else:
         hp = artifact.hyperparameters
         _check_options(config.options, hp)
@@ -274,6 +312,13 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[VecI
             "key": artifact.tensors["key_codebook"],
             "value": artifact.tensors["value_codebook"],
         }
+        value_smooth = None
+        if hp.get("value_smooth", "none") != "none":
+            value_smooth = artifact.tensors["value_smooth"]
+        means = None
+        if hp.get("center", False):
+            means = (artifact.tensors["key_mean"], artifact.tensors["value_mean"])
+    rope = RopeSpec.of(model) if means is not None else None
     return [
         VecInferCache(
             smooth[i],
@@ -286,6 +331,10 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[VecI
             hadamard=hp["hadamard"],
             window=window,
             sinks=sinks,
+            key_mean=None if means is None else means[0][i],
+            value_mean=None if means is None else means[1][i],
+            rope=rope,
+            value_smooth=None if value_smooth is None else value_smooth[i],
         )
         for i in range(dims.L)
     ]

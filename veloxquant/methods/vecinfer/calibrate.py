@@ -29,8 +29,11 @@ import mlx.core as mx
 import numpy as np
 
 from veloxquant.kmeans import assign, check_finite, kmeans, product_kmeans
+from veloxquant.kvstats import logit_error, mean_energy_share, output_error, rotate_at_positions
 from veloxquant.methods.base import Artifact, CalibrationInputs, ModelDims, TensorSpec
+from veloxquant.rope import RopeSpec
 from veloxquant.methods.vecinfer.transform import (
+    balanced_scales,
     check_hadamard_dim,
     inverse_smooth_transform,
     smooth_scales,
@@ -38,12 +41,18 @@ from veloxquant.methods.vecinfer.transform import (
 )
 
 DEFAULTS: dict[str, Any] = {
-    "key_sub_dim": 4,
-    "key_bits": 8,
+    "key_sub_dim": 2,
+    "key_bits": 6,
     "value_sub_dim": 4,
-    "value_bits": 8,
+    "value_bits": 6,
     "share": "head",
-    "smooth": True,
+    # code keys relative to RoPE_m(pre-RoPE key mean) and values relative to their mean
+    "center": True,
+    # key scales before the rotation: "max" (VecInfer's sqrt max|k|), "balanced" (against the
+    # queries that read each channel, transform.balanced_scales) or "none"
+    "smooth": "max",
+    # value scales + rotation: "none" (raw values, VecInfer) or "balanced" (against o_proj)
+    "value_smooth": "balanced",
     "hadamard": True,
     "clip_percentile": 99.9,
     "floor": 1e-2,
@@ -66,6 +75,14 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
             raise ValueError(f"vecinfer: {side}_bits must be an integer in [1, 16], got {bits!r}")
         if isinstance(sub, bool) or not isinstance(sub, (int, np.integer)) or sub < 1:
             raise ValueError(f"vecinfer: {side}_sub_dim must be an integer >= 1, got {sub!r}")
+    if hp["smooth"] not in ("max", "balanced", "none"):
+        raise ValueError(
+            f"vecinfer: smooth must be 'max', 'balanced' or 'none', got {hp['smooth']!r}"
+        )
+    if hp["value_smooth"] not in ("balanced", "none"):
+        raise ValueError(
+            f"vecinfer: value_smooth must be 'balanced' or 'none', got {hp['value_smooth']!r}"
+        )
     if hp["share"] not in ("head", "layer"):
         raise ValueError(f"vecinfer: share must be 'head' or 'layer', got {hp['share']!r}")
     if not 0 < hp["clip_percentile"] <= 100:
@@ -83,7 +100,11 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
 def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
     books = dims.H_kv if hp["share"] == "head" else 1
     return {
+        # pre-RoPE key mean and value mean (zeros when center=False), fp16-representable
+        "key_mean": TensorSpec((dims.L, dims.H_kv, dims.D), "float32"),
+        "value_mean": TensorSpec((dims.L, dims.H_kv, dims.D), "float32"),
         "smooth": TensorSpec((dims.L, dims.H_kv, dims.D), "float32"),
+        "value_smooth": TensorSpec((dims.L, dims.H_kv, dims.D), "float32"),
         "key_codebook": TensorSpec(
             (dims.L, books, 2 ** int(hp["key_bits"]), int(hp["key_sub_dim"])), "float32"
         ),
@@ -98,9 +119,9 @@ def check_artifact(artifact: Artifact, dims: ModelDims) -> None:
     if missing:
         raise ValueError(f"vecinfer artifact lacks hyperparameters {missing}; recalibrate it")
     check_hyperparameters({**DEFAULTS, **artifact.hyperparameters})
-    smooth = artifact.tensors["smooth"]
-    if not bool(mx.all(smooth > 0).item()):
-        raise ValueError("vecinfer smooth scales must be > 0 (a scale of 0 divides keys by 0)")
+    for name in ("smooth", "value_smooth"):
+        if not bool(mx.all(artifact.tensors[name] > 0).item()):
+            raise ValueError(f"vecinfer {name} scales must be > 0 (a scale of 0 divides by 0)")
 
 
 def min_tokens(dims: ModelDims, hp: dict[str, Any]) -> int:
@@ -124,7 +145,7 @@ def _n_heldout(n_tokens: int, fraction: float) -> int:
 def calibrate(
     inputs: CalibrationInputs, dims: ModelDims, hp: dict[str, Any], progress: bool
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    return calibrate_vecinfer(inputs.activations_dir, dims, progress=progress, **hp)
+    return calibrate_vecinfer(inputs.activations_dir, inputs.model_dir, progress=progress, **hp)
 
 
 def _encode_decode(x: mx.array, codebook: mx.array, sub_dim: int) -> tuple[mx.array, mx.array]:
@@ -138,14 +159,16 @@ def _encode_decode(x: mx.array, codebook: mx.array, sub_dim: int) -> tuple[mx.ar
 
 def calibrate_vecinfer(
     activations_dir: str | Path,
-    model_or_dims: Any,
+    model: Any,
     *,
     key_sub_dim: int = DEFAULTS["key_sub_dim"],
     key_bits: int = DEFAULTS["key_bits"],
     value_sub_dim: int = DEFAULTS["value_sub_dim"],
     value_bits: int = DEFAULTS["value_bits"],
     share: str = DEFAULTS["share"],
-    smooth: bool = DEFAULTS["smooth"],
+    center: bool = DEFAULTS["center"],
+    smooth: str = DEFAULTS["smooth"],
+    value_smooth: str = DEFAULTS["value_smooth"],
     hadamard: bool = DEFAULTS["hadamard"],
     clip_percentile: float = DEFAULTS["clip_percentile"],
     floor: float = DEFAULTS["floor"],
@@ -155,9 +178,10 @@ def calibrate_vecinfer(
     heldout_fraction: float = DEFAULTS["heldout_fraction"],
     progress: bool = True,
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Smooth scales + per-(layer, KV head) product-VQ codebooks from a capture dir.
+    """Key/value means, smooth scales and per-(layer, KV head) product-VQ codebooks.
 
-    Returns (tensors for the bundle: smooth [L, H_kv, D], key_codebook [L, H_share, 2^kb, kd],
+    `model` is the live model or its dir (for its dims and its RoPE). Returns (tensors for the
+    bundle: key_mean, value_mean, smooth [L, H_kv, D], key_codebook [L, H_share, 2^kb, kd],
     value_codebook [L, H_share, 2^vb, vd], all f32; json diagnostics). Deterministic in
     (inputs, seed).
     """
@@ -172,7 +196,9 @@ def calibrate_vecinfer(
         value_sub_dim=value_sub_dim,
         value_bits=value_bits,
         share=share,
+        center=center,
         smooth=smooth,
+        value_smooth=value_smooth,
         hadamard=hadamard,
         clip_percentile=clip_percentile,
         floor=floor,
@@ -182,7 +208,7 @@ def calibrate_vecinfer(
         heldout_fraction=heldout_fraction,
     )
     check_hyperparameters(hp)
-    dims = ModelDims.of(model_or_dims)
+    dims = ModelDims.of(model)
     n_layers, n_heads, head_dim = dims.L, dims.H_kv, dims.D
     for side in ("key", "value"):
         if head_dim % hp[f"{side}_sub_dim"]:
@@ -191,6 +217,8 @@ def calibrate_vecinfer(
             )
     if hadamard:
         check_hadamard_dim(head_dim)
+    live = _live_model(model) if center or "balanced" in (smooth, value_smooth) else None
+    rope = RopeSpec.of(live) if center else None
 
     info = load_capture_info(activations_dir)
     if info["num_layers"] != n_layers:
@@ -198,17 +226,17 @@ def calibrate_vecinfer(
             f"capture {activations_dir} has {info['num_layers']} layers but the model has "
             f"{n_layers}; capture this model's activations first"
         )
-    absmax = load_stats(activations_dir)["k_post.absmax"]
-    if tuple(absmax.shape) != (n_layers, n_heads, head_dim):
+    stats = load_stats(activations_dir)
+    if tuple(stats["k_post.absmax"].shape) != (n_layers, n_heads, head_dim):
         raise ValueError(
-            f"k_post.absmax has shape {list(absmax.shape)}, expected "
+            f"k_post.absmax has shape {list(stats['k_post.absmax'].shape)}, expected "
             f"{[n_layers, n_heads, head_dim]} for this model"
         )
-    lam = (
-        smooth_scales(absmax, clip_percentile, floor)
-        if smooth
-        else mx.ones((n_layers, n_heads, head_dim), dtype=mx.float32)
-    )
+    # The means are exact over every captured token; rounded to the fp16 the cache keeps, so
+    # that calibration codes exactly the residual the runtime will code.
+    zeros = mx.zeros((n_layers, n_heads, head_dim), dtype=mx.float32)
+    key_mean = _fp16_exact(stats["k_pre.mean"]) if center else zeros
+    value_mean = _fp16_exact(stats["v.mean"]) if center else zeros
 
     n_tokens = int(info["n_sampled"])
     perm = np.random.default_rng(seed).permutation(n_tokens)
@@ -228,25 +256,51 @@ def calibrate_vecinfer(
             )
 
     # Load every layer once: [L, n, H, D] per side (2·L·n·H·D·4 bytes, ~190 MB for the default
-    # model at 8192 tokens), so the k-means below runs all L·H codebooks as one batch.
-    keys, values = [], []
+    # model at 8192 tokens), so the k-means below runs all L·H codebooks as one batch. Keys are
+    # kept as residuals k_post − RoPE_m(μ) at each token's captured position m.
+    keys, values, key_shift = [], [], []
     for layer in tqdm(range(n_layers), desc="vecinfer load", unit="layer", disable=not progress):
-        acts = load_activations(activations_dir, layer, ["k_post", "v"])
+        acts = load_activations(activations_dir, layer, ["k_post", "v", "positions"])
         check_finite(acts["k_post"], f"layer {layer} k_post")
         check_finite(acts["v"], f"layer {layer} v")
-        keys.append(acts["k_post"])
-        values.append(acts["v"])
-    keys, values = mx.stack(keys), mx.stack(values)
-    if tuple(keys.shape[2:]) != (n_heads, head_dim) or tuple(values.shape[2:]) != (
-        n_heads,
-        head_dim,
-    ):
-        raise ValueError(
-            f"captured k_post/v have per-token shape {list(keys.shape[2:])}/"
-            f"{list(values.shape[2:])}, expected {[n_heads, head_dim]} for this model"
+        if tuple(acts["k_post"].shape[1:]) != (n_heads, head_dim):
+            raise ValueError(
+                f"captured k_post has per-token shape {list(acts['k_post'].shape[1:])}, "
+                f"expected {[n_heads, head_dim]} for this model"
+            )
+        shift = (
+            rotate_at_positions(key_mean[layer], rope, acts["positions"])
+            if center
+            else mx.zeros_like(acts["k_post"])
         )
-    lam_b = lam[:, None]  # [L, 1, H, D] against [L, n, H, D]
-    spaces = {"key": smooth_transform(keys, lam_b, hadamard), "value": values}
+        keys.append(acts["k_post"])
+        key_shift.append(shift)
+        values.append(acts["v"])
+    keys, key_shift, values = mx.stack(keys), mx.stack(key_shift), mx.stack(values)
+    key_res, value_res = keys - key_shift, values - value_mean[:, None]
+    ones = mx.ones((n_layers, n_heads, head_dim), dtype=mx.float32)
+    if smooth == "none":
+        lam = ones
+    elif smooth == "balanced":  # the residual's power against the queries' per channel
+        query_power = stats["q_post.sq_mean"].reshape(n_layers, n_heads, dims.G, head_dim)
+        lam = balanced_scales(mx.mean(key_res[:, train_idx] ** 2, axis=1), query_power.mean(2))
+    elif center:  # the channel ranges of what is coded: the residual's, over the training tokens
+        lam = smooth_scales(mx.abs(key_res[:, train_idx]).max(axis=1), clip_percentile, floor)
+    else:
+        lam = smooth_scales(stats["k_post.absmax"], clip_percentile, floor)
+    value_hadamard = hadamard and value_smooth != "none"
+    lam = _fp16_exact(lam)  # the cache keeps its scales in fp16, like the means
+    if value_smooth == "balanced":
+        power = mx.mean(value_res[:, train_idx] ** 2, axis=1)
+        lam_v = balanced_scales(power, _output_column_power(live, dims))
+    else:
+        lam_v = ones
+    lam_v = _fp16_exact(lam_v)
+    lam_b, lam_vb = lam[:, None], lam_v[:, None]  # [L, 1, H, D] against [L, n, H, D]
+    spaces = {
+        "key": smooth_transform(key_res, lam_b, hadamard),
+        "value": smooth_transform(value_res, lam_vb, value_hadamard),
+    }
 
     def groups(x: mx.array) -> mx.array:  # [L, n, H, D] -> [L·H_share, n·(H/H_share), D]
         n_l, n, h, d = x.shape
@@ -260,6 +314,7 @@ def calibrate_vecinfer(
         return x.reshape(n_layers, -1, n_heads, head_dim)
 
     books: dict[str, mx.array] = {}
+    recon: dict[str, mx.array] = {}
     diag: dict[str, list] = {}
     for side in ("key", "value"):
         sub_dim, bits = hp[f"{side}_sub_dim"], hp[f"{side}_bits"]
@@ -279,12 +334,16 @@ def calibrate_vecinfer(
         diag[f"{side}_entropy_bits"] = (
             res.usage_entropy_bits().reshape(n_layers, -1).mean(axis=1).tolist()
         )
-        # Held-out reconstruction (tokens k-means never saw), in the original space for keys.
+        # Held-out reconstruction (tokens k-means never saw), in the original space.
         rec, _ = _encode_decode(groups(x[:, held_idx]), res.centroids, sub_dim)
         rec = ungroup(rec)
-        orig = (keys if side == "key" else values)[:, held_idx]
         if side == "key":
-            rec = inverse_smooth_transform(rec, lam_b, hadamard)
+            rec = inverse_smooth_transform(rec, lam_b, hadamard) + key_shift[:, held_idx]
+            orig = keys[:, held_idx]
+        else:
+            rec = inverse_smooth_transform(rec, lam_vb, value_hadamard) + value_mean[:, None]
+            orig = values[:, held_idx]
+        recon[side] = rec
         mse = mx.mean((rec - orig) ** 2, axis=(1, 2, 3))
         power = mx.mean(orig * orig, axis=(1, 2, 3))
         cos = (rec * orig).sum(-1) / mx.maximum(
@@ -294,26 +353,65 @@ def calibrate_vecinfer(
         diag[f"{side}_rel_mse"] = (mse / mx.maximum(power, 1e-30)).tolist()
         diag[f"{side}_cos"] = cos.mean(axis=(1, 2)).tolist()
 
+    # What attention does with the errors (veloxquant.kvstats), on held-out queries and keys.
+    diag["key_logit_rel_err"], diag["value_output_rel_err"] = [], []
+    for layer in range(n_layers):
+        q = load_activations(activations_dir, layer, ["q_post"])["q_post"][held_idx]
+        k, v = keys[layer, held_idx], values[layer, held_idx]
+        diag["key_logit_rel_err"].append(logit_error(q, k, recon["key"][layer]))
+        diag["value_output_rel_err"].append(output_error(q, k, v, recon["value"][layer]))
+
     tensors = {
+        "key_mean": key_mean,
+        "value_mean": value_mean,
         "smooth": lam,
+        "value_smooth": lam_v,
         "key_codebook": books["key"],
         "value_codebook": books["value"],
     }
     mx.eval(tensors)
+    share_k = mean_energy_share(stats["k_pre.mean"], stats["k_pre.sq_mean"]).mean(axis=1)
     diagnostics: dict[str, Any] = {
-        "per_layer": diag,
+        "per_layer": {**diag, "key_mean_energy_share": share_k.tolist()},
         "n_train_tokens": int(len(train_idx)),
         "n_heldout_tokens": int(len(held_idx)),
         "tokens_seen": int(info["tokens_seen"]),
         "smooth_min": float(lam.min().item()),
         "smooth_max": float(lam.max().item()),
     }
-    for name, values in diag.items():
-        diagnostics[f"mean_{name}"] = float(np.mean(values))
-    for name in ("key_rel_mse", "value_rel_mse"):
+    for name, values_ in diag.items():
+        diagnostics[f"mean_{name}"] = float(np.mean(values_))
+    for name in ("key_rel_mse", "value_rel_mse", "key_logit_rel_err", "value_output_rel_err"):
         diagnostics[f"worst_{name}"] = float(np.max(diag[name]))
         diagnostics[f"worst_{name}_layer"] = int(np.argmax(diag[name]))
     return tensors, diagnostics
+
+
+def _fp16_exact(x: mx.array) -> mx.array:
+    return x.astype(mx.float16).astype(mx.float32)
+
+
+def _live_model(model: Any) -> Any:
+    """A live model, or the model in a dir (built lazily: weights are read only when used)."""
+    if isinstance(model, (str, Path)):
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(Path(model), lazy=True)
+    return model
+
+
+def _output_column_power(model: Any, dims: ModelDims) -> mx.array:
+    """[L, H_kv, D]: Σ over the KV head's query heads and over o_proj's rows of W_o², the cost
+    per value channel of an error in the attention output it feeds."""
+    out = []
+    for layer in model.layers:
+        proj = layer.self_attn.o_proj
+        w = proj.weight
+        if hasattr(proj, "scales"):  # a quantized model: its real weights are the dequantized ones
+            w = mx.dequantize(w, proj.scales, proj.biases, proj.group_size, proj.bits)
+        col = (w.astype(mx.float32) ** 2).sum(axis=0)  # [H_q · D]
+        out.append(col.reshape(dims.H_kv, dims.G, dims.D).sum(axis=1))
+    return mx.stack(out)
 
 
 @functools.lru_cache(maxsize=8)

@@ -46,3 +46,25 @@ def query_transform(q: mx.array, smooth: mx.array, hadamard: bool) -> mx.array:
     """q̃ = H·(q ⊙ λ), so ⟨q̃, k̃⟩ = ⟨q, k⟩ (for the LUT attention path)."""
     y = q * smooth
     return mx.hadamard_transform(y) if hadamard else y
+
+
+def balanced_scales(
+    signal_power: mx.array, cost_power: mx.array, clip_percentile: float = 99.0
+) -> mx.array:
+    """λ_c = (E[x_c²] / w_c)^(1/4) per (layer, head, channel) [L, H, D].
+
+    With x̃ = H·(x ⊘ λ) coded at a roughly uniform error per dimension of x̃, the error that
+    matters costs Σ_c w_c λ_c² e_c² (w: the squared query per channel for keys, the squared
+    o_proj column for values), while the coding error scales with Σ_c E[x_c²] / λ_c². Their
+    product is smallest (Cauchy-Schwarz) at this λ. The ratio is clipped per layer to the
+    [100 − p, p] percentile range, so a channel no query reads cannot take all the scale."""
+    a = np.maximum(np.asarray(signal_power, np.float64), 1e-30)
+    w = np.asarray(cost_power, np.float64)
+    w = np.maximum(w, 1e-6 * w.reshape(w.shape[0], -1).mean(axis=1)[:, None, None])
+    ratio = a / w
+    flat = ratio.reshape(ratio.shape[0], -1)
+    lo = np.percentile(flat, 100 - clip_percentile, axis=1)[:, None, None]
+    hi = np.percentile(flat, clip_percentile, axis=1)[:, None, None]
+    lam = np.clip(ratio, lo, hi) ** 0.25
+    lam /= np.exp(np.log(lam).reshape(lam.shape[0], -1).mean(axis=1))[:, None, None]
+    return mx.array(lam.astype(np.float32))

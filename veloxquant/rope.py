@@ -1,0 +1,101 @@
+"""The model's RoPE, as data a cache can keep and apply at any position.
+
+Caches that code keys relative to something position-dependent (the rotated key mean; CommVQ's
+pre-RoPE codes) must apply exactly the rotation the model applies, and must still do so after
+`load_prompt_cache` restored them without a model. `RopeSpec` reads the rotation off the model's
+own rope module and applies it with `mx.fast.rope`, the same kernel mlx-lm's modules call.
+
+Supported: `mlx.nn.RoPE` (plain and linear-scaled) and mlx-lm's `Llama3RoPE` (frequency table).
+Other variants (YaRN and SuScaled multiply by an mscale, dynamic NTK changes with the length)
+are refused with an error naming the class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    dims: int
+    traditional: bool
+    base: float | None  # None when `freqs` gives the frequencies
+    scale: float
+    freqs: mx.array | None = None
+
+    @classmethod
+    def from_module(cls, rope: Any, head_dim: int) -> RopeSpec:
+        name = type(rope).__name__
+        if isinstance(rope, nn.RoPE):
+            spec = cls(int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale))
+        elif name == "Llama3RoPE":
+            spec = cls(int(rope.dims), bool(rope.traditional), None, 1.0, rope._freqs)
+        else:
+            raise ValueError(
+                f"the model's RoPE is {name}, which this cache cannot apply exactly (supported: "
+                "nn.RoPE, linear scaling, Llama3RoPE). Use a method that does not re-rotate "
+                "keys for this model."
+            )
+        if spec.dims != head_dim:
+            raise ValueError(
+                f"the model rotates {spec.dims} of {head_dim} head dims (partial rotary), which "
+                "this cache cannot apply exactly"
+            )
+        return spec
+
+    @classmethod
+    def of(cls, model: Any) -> RopeSpec:
+        """The rotation of `model`'s attention layers (all layers must share one)."""
+        layers = getattr(model, "layers", None)
+        attn = getattr(layers[0], "self_attn", None) if layers else None
+        if attn is None or not hasattr(attn, "rope"):
+            raise ValueError("the model has no self_attn.rope module; cannot read its RoPE")
+        head_dim = int(getattr(attn, "head_dim", 0) or model.args.head_dim)
+        spec = cls.from_module(attn.rope, head_dim)
+        for i, layer in enumerate(layers):
+            other = cls.from_module(layer.self_attn.rope, head_dim)
+            if other.meta() != spec.meta():
+                raise ValueError(f"layer {i} uses another RoPE than layer 0; unsupported")
+        return spec
+
+    def apply(self, x: mx.array, offset: int) -> mx.array:
+        """RoPE of x [..., T, D] at positions offset, offset + 1, ... (float32)."""
+        return mx.fast.rope(
+            x.astype(mx.float32),
+            self.dims,
+            traditional=self.traditional,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+            freqs=self.freqs,
+        )
+
+    def meta(self) -> dict[str, Any]:
+        """Scalars for a cache's meta_state (the frequency table travels as an array)."""
+        return {
+            "rope_dims": self.dims,
+            "rope_traditional": self.traditional,
+            "rope_base": None if self.base is None else repr(self.base),
+            "rope_scale": repr(self.scale),
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], freqs: mx.array | None) -> RopeSpec:
+        base = meta["rope_base"]
+        return cls(
+            int(meta["rope_dims"]),
+            bool(meta["rope_traditional"]),
+            None if base is None else float(base),
+            float(meta["rope_scale"]),
+            freqs,
+        )
+
+
+def rotated_mean(mean: mx.array, rope: RopeSpec, offset: int, length: int) -> mx.array:
+    """RoPE_m(μ) for m = offset .. offset + length - 1: mean [H, D] -> [1, H, length, D]."""
+    h, d = mean.shape
+    return rope.apply(mx.broadcast_to(mean[None, :, None, :], (1, h, length, d)), offset)
