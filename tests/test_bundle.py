@@ -6,6 +6,7 @@ calibration -> bundle -> make_cache -> generate path is in test_qfilters.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -28,6 +29,7 @@ from veloxquant.bundle import (
     export_bundle,
     load_bundle,
     merge_bundles,
+    method_file,
     verify_bundle,
     write_method,
 )
@@ -102,14 +104,20 @@ def manifest(path: Path) -> dict:
     return json.loads((path / MANIFEST).read_text())
 
 
-def rewrite(bundle: Path, method: str, data: bytes) -> None:
-    """Replace a method file AND fix its manifest checksum, so later checks are exercised."""
-    m = manifest(bundle)
-    (bundle / m["methods"][method]["file"]).write_bytes(data)
-    m["methods"][method]["size"] = len(data)
-    import hashlib
+def method_path(bundle: Path, method: str) -> Path:
+    return bundle / manifest(bundle)["methods"][method]["file"]
 
-    m["methods"][method]["sha256"] = hashlib.sha256(data).hexdigest()
+
+def rewrite(bundle: Path, method: str, data: bytes) -> None:
+    """Replace a method file AND fix its manifest entry (content address, size, sha256), so
+    later checks are exercised."""
+    m = manifest(bundle)
+    entry = m["methods"][method]
+    (bundle / entry["file"]).unlink()
+    entry["sha256"] = hashlib.sha256(data).hexdigest()
+    entry["size"] = len(data)
+    entry["file"] = method_file(method, entry["sha256"])
+    (bundle / entry["file"]).write_bytes(data)
     (bundle / MANIFEST).write_text(json.dumps(m))
 
 
@@ -138,32 +146,36 @@ def test_round_trip(bundle, smollm2, model_fp):
     assert info["diagnostics"]["spearman_mean"] == 0.7
     assert info["data"] == DATA
     m = b.manifest
-    assert (m["format"], m["format_version"]) == ("veloxquant-bundle", 1)
+    assert (m["format"], m["format_version"]) == ("veloxquant-bundle", 2)
     assert m["model"]["num_layers"] == 30 and m["model"]["num_kv_heads"] == 3
     assert m["model"]["rope_traditional"] is True and m["model"]["rope_theta"] == 1e5
     assert m["model"]["weights_sha256"] == model_fp["weights_sha256"] is not None
     assert m["model"]["tokenizer_sha256"] == model_fp["tokenizer_sha256"] is not None
     e = m["methods"]["qfilters"]
-    assert e["size"] == (bundle / "qfilters.safetensors").stat().st_size
+    assert e["file"] == f"qfilters-{e['sha256'][:16]}.safetensors"  # named by its content
+    assert e["size"] == (bundle / e["file"]).stat().st_size
     assert set(e["versions"]) >= {"veloxquant", "mlx", "mlx-lm"}
     assert e["tensors"]["filters"] == {"shape": [30, 3, 64], "dtype": "float32"}
 
 
 def test_determinism(tmp_path, model_fp):
+    """Same content, same bytes: file names and manifest (no timestamps), so DVC outputs of a
+    rerun do not churn; and a rerun into the same dir changes nothing on disk."""
     write_qf(tmp_path / "a", model_fp)
     write_qf(tmp_path / "b", model_fp)
-    fa, fb = (tmp_path / d / "qfilters.safetensors" for d in "ab")
-    assert fa.read_bytes() == fb.read_bytes()
-
-    def strip(m):
-        m.pop("created_at")
-        m["methods"]["qfilters"].pop("created_at")
-        return m
-
-    assert strip(manifest(tmp_path / "a")) == strip(manifest(tmp_path / "b"))
-    # and the json itself is canonical (sorted keys), so equal content means equal bytes
-    ta = (tmp_path / "a" / MANIFEST).read_text()
-    assert ta == json.dumps(json.loads(ta), indent=2, sort_keys=True) + "\n"
+    fa, fb = (method_path(tmp_path / d, "qfilters") for d in "ab")
+    assert fa.name == fb.name and fa.read_bytes() == fb.read_bytes()
+    ta = (tmp_path / "a" / MANIFEST).read_bytes()
+    assert ta == (tmp_path / "b" / MANIFEST).read_bytes()
+    assert "created_at" not in ta.decode()
+    # the json itself is canonical (sorted keys), so equal content means equal bytes
+    assert ta.decode() == json.dumps(json.loads(ta), indent=2, sort_keys=True) + "\n"
+    stat = os.stat(tmp_path / "a" / MANIFEST)
+    write_qf(tmp_path / "a", model_fp)
+    assert os.stat(tmp_path / "a" / MANIFEST).st_mtime_ns == stat.st_mtime_ns
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(
+        [".lock", fa.name, MANIFEST]
+    )
 
 
 def test_refresh_one_method_leaves_the_other_untouched(bundle, model_fp):
@@ -173,16 +185,17 @@ def test_refresh_one_method_leaves_the_other_untouched(bundle, model_fp):
         vecinfer_tensors(),
         model_dir=model_fp,
         data_fingerprint=DATA,
-        capture_point="k_post",
+        capture_point="k_post,v",
         hyperparameters=VECINFER_HP,
         diagnostics={"mse": 0.1},
     )
-    before = (bundle / "vecinfer.safetensors").read_bytes()
+    vec = method_path(bundle, "vecinfer")
+    before = vec.read_bytes()
     entry = manifest(bundle)["methods"]["vecinfer"]
-    stat = os.stat(bundle / "vecinfer.safetensors")
+    stat = os.stat(vec)
     write_qf(bundle, model_fp, seed=5, data={**DATA, "sha256": "cd" * 32})
-    assert (bundle / "vecinfer.safetensors").read_bytes() == before
-    assert os.stat(bundle / "vecinfer.safetensors").st_mtime_ns == stat.st_mtime_ns
+    assert method_path(bundle, "vecinfer") == vec and vec.read_bytes() == before
+    assert os.stat(vec).st_mtime_ns == stat.st_mtime_ns
     m = manifest(bundle)
     assert m["methods"]["vecinfer"] == entry
     assert m["methods"]["qfilters"]["data"]["sha256"] == "cd" * 32
@@ -209,7 +222,16 @@ def test_inspect_and_verify(bundle, smollm2_dir):
     verify_bundle(bundle, model_dir=smollm2_dir, strict=True)
 
 
-def test_export_next_to_model_and_found_by_make_cache(bundle, smollm2, smollm2_dir, tmp_path):
+def _sha(bundle: Path, method: str, seed: int) -> str:
+    """sha256 of the qfilters file write_qf(seed) gives (written to a scratch bundle)."""
+    scratch = bundle.parent / f"scratch-{seed}"
+    write_qf(scratch, manifest(bundle)["model"], seed=seed)
+    return manifest(scratch)["methods"][method]["sha256"]
+
+
+def test_export_next_to_model_and_found_by_make_cache(
+    bundle, smollm2, smollm2_dir, tmp_path, model_fp
+):
     model, _ = smollm2
     # a model dir of links to the real files: same digests, and exporting does not touch it
     model_dir = tmp_path / "model"
@@ -219,11 +241,21 @@ def test_export_next_to_model_and_found_by_make_cache(bundle, smollm2, smollm2_d
             (model_dir / f.name).symlink_to(f.resolve())
     dest = export_bundle(bundle, model_dir)
     assert dest == model_dir / BUNDLE_SUBDIR
-    assert sorted(p.name for p in dest.iterdir()) == [MANIFEST, "qfilters.safetensors"]
-    assert (dest / "qfilters.safetensors").read_bytes() == (
-        bundle / "qfilters.safetensors"
-    ).read_bytes()
-    export_bundle(bundle, model_dir)  # re-export replaces it cleanly
+    qf = method_path(bundle, "qfilters")
+    assert sorted(p.name for p in dest.iterdir()) == [".lock", MANIFEST, qf.name]
+    assert (dest / qf.name).read_bytes() == qf.read_bytes()
+    assert (dest / MANIFEST).read_bytes() == (bundle / MANIFEST).read_bytes()
+    write_qf(bundle, model_fp, seed=3)
+    export_bundle(bundle, model_dir)  # re-export replaces it in place
+    assert (dest / MANIFEST).read_bytes() == (bundle / MANIFEST).read_bytes()
+    # the previous generation's file is kept for readers that are still on it; one more
+    # export collects it
+    assert (dest / qf.name).exists()
+    write_qf(bundle, model_fp, seed=0)
+    export_bundle(bundle, model_dir)
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        [".lock", MANIFEST, qf.name, method_file("qfilters", _sha(bundle, "qfilters", 3))]
+    )
     assert not [p for p in model_dir.iterdir() if p.name.startswith(".")]
     verify_bundle(model_dir)  # a model dir resolves to its shipped bundle
 
@@ -245,15 +277,14 @@ def test_merge_bundles(bundle, model_fp, tmp_path):
         vecinfer_tensors(),
         model_dir=model_fp,
         data_fingerprint=DATA,
-        capture_point="k_post",
+        capture_point="k_post,v",
         hyperparameters=VECINFER_HP,
         diagnostics={},
     )
     out = merge_bundles(tmp_path / "merged", [bundle, other])
     assert load_bundle(out).methods == ["qfilters", "vecinfer"]
-    assert (out / "vecinfer.safetensors").read_bytes() == (
-        other / "vecinfer.safetensors"
-    ).read_bytes()
+    vec = method_path(other, "vecinfer")
+    assert (out / vec.name).read_bytes() == vec.read_bytes()
     with pytest.raises(BundleError, match="more than one input"):
         merge_bundles(tmp_path / "twice", [bundle, bundle])
 
@@ -279,7 +310,7 @@ def test_missing_method_names_its_stage(bundle, smollm2):
 
 
 def test_truncated_file(bundle):
-    f = bundle / "qfilters.safetensors"
+    f = method_path(bundle, "qfilters")
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(
         BundleError, match=r"size is \d+ bytes but the manifest says \d+ \(truncated"
@@ -288,7 +319,7 @@ def test_truncated_file(bundle):
 
 
 def test_flipped_byte(bundle):
-    f = bundle / "qfilters.safetensors"
+    f = method_path(bundle, "qfilters")
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
@@ -297,7 +328,7 @@ def test_flipped_byte(bundle):
 
 
 def test_truncated_file_with_matching_checksum_is_caught_by_the_header_check(bundle):
-    rewrite(bundle, "qfilters", (bundle / "qfilters.safetensors").read_bytes()[:-100])
+    rewrite(bundle, "qfilters", method_path(bundle, "qfilters").read_bytes()[:-100])
     with pytest.raises(BundleError, match="inconsistent data offsets|trailing bytes|truncated"):
         load_bundle(bundle)
 
@@ -447,8 +478,8 @@ def test_other_copy_of_the_model_warns_or_fails_under_strict(bundle, smollm2):
 
 
 def test_unknown_format_version(bundle):
-    edit_manifest(bundle, lambda m: m.update(format_version=2))
-    with pytest.raises(BundleError, match="unknown bundle format_version 2"):
+    edit_manifest(bundle, lambda m: m.update(format_version=3))
+    with pytest.raises(BundleError, match="unknown bundle format_version 3.*Upgrade veloxquant"):
         load_bundle(bundle)
 
 
@@ -466,7 +497,7 @@ def test_not_a_bundle(tmp_path):
     ],
 )
 def test_path_traversal_in_manifest(bundle, name, match):
-    shutil.copy(bundle / "qfilters.safetensors", bundle.parent / "qfilters.safetensors")
+    shutil.copy(method_path(bundle, "qfilters"), bundle.parent / "qfilters.safetensors")
     edit_manifest(bundle, lambda m: m["methods"]["qfilters"].update(file=name))
     with pytest.raises(BundleError, match=match):
         load_bundle(bundle)
@@ -474,7 +505,7 @@ def test_path_traversal_in_manifest(bundle, name, match):
 
 def test_symlink_out_of_the_bundle(bundle, tmp_path):
     outside = tmp_path / "outside.safetensors"
-    shutil.copy(bundle / "qfilters.safetensors", outside)
+    shutil.copy(method_path(bundle, "qfilters"), outside)
     (bundle / "link.safetensors").symlink_to(outside)
     edit_manifest(bundle, lambda m: m["methods"]["qfilters"].update(file="link.safetensors"))
     with pytest.raises(BundleError, match="outside the bundle dir"):
@@ -483,7 +514,7 @@ def test_symlink_out_of_the_bundle(bundle, tmp_path):
 
 def test_pickle_named_safetensors(bundle):
     payload = pickle.dumps(qfilters_tensors(), protocol=4)
-    (bundle / "qfilters.safetensors").write_bytes(payload)  # manifest checksum not even fixed
+    method_path(bundle, "qfilters").write_bytes(payload)  # manifest checksum not even fixed
     with pytest.raises(BundleError, match="is a Python pickle, not safetensors"):
         load_bundle(bundle)
     rewrite(bundle, "qfilters", payload)  # ... nor when the checksum matches
@@ -506,7 +537,7 @@ def test_writing_a_different_model_into_a_bundle_is_refused(bundle, model_fp):
             vecinfer_tensors(),
             model_dir=other,
             data_fingerprint=DATA,
-            capture_point="k_post",
+            capture_point="k_post,v",
             hyperparameters=VECINFER_HP,
             diagnostics={},
         )
