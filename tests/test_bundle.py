@@ -541,3 +541,160 @@ def test_writing_a_different_model_into_a_bundle_is_refused(bundle, model_fp):
             hyperparameters=VECINFER_HP,
             diagnostics={},
         )
+
+
+# ------------------------------------------------------------------------------- issue 10
+# One test per case of issue 10 that concerns bundles; each asserts the message users see.
+
+
+def test_format_version_1_names_the_fix(bundle):
+    edit_manifest(bundle, lambda m: m.update(format_version=1))
+    with pytest.raises(
+        BundleError,
+        match=r"format_version 1 was written by an older veloxquant.*reads version 2.*"
+        r"veloxquant calibrate METHOD ACTIVATIONS MODEL NEW_DIR.*veloxquant bundle export",
+    ):
+        load_bundle(bundle)
+    with pytest.raises(BundleError, match="format_version 1 was written by an older"):
+        write_qf(bundle, manifest(bundle)["model"], seed=1)  # no silent overwrite either
+
+
+def test_manifest_that_is_a_json_list(bundle):
+    (bundle / MANIFEST).write_text("[1, 2, 3]")
+    with pytest.raises(BundleError, match="the manifest is a json array; expected an object"):
+        load_bundle(bundle)
+
+
+def vecinfer_bundle(bundle: Path, model_fp: dict) -> Path:
+    write_method(
+        bundle,
+        "vecinfer",
+        vecinfer_tensors(),
+        model_dir=model_fp,
+        data_fingerprint=DATA,
+        capture_point="k_post,v",
+        hyperparameters=VECINFER_HP,
+        diagnostics={},
+    )
+    return bundle
+
+
+def _set(path: str, value):
+    def edit(m):
+        *parents, last = path.split(".")
+        for p in parents:
+            m = m[p]
+        if value is KeyError:
+            del m[last]
+        else:
+            m[last] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("model.num_layers", KeyError, r"required field 'model.num_layers' is missing"),
+        (
+            "methods.vecinfer.hyperparameters.key_bits",
+            20000,
+            r"field 'methods.vecinfer.hyperparameters': vecinfer: key_bits must be an integer "
+            r"in \[1, 16\], got 20000",
+        ),
+        ("methods", {}, r"field 'methods' is empty; a bundle holds at least one calibrated"),
+        ("model.num_kv_heads", "3", r"field 'model.num_kv_heads' must be an integer, got '3'"),
+        ("model.num_heads", 10, r"'model.num_heads' \(10\) is not a multiple of 'model.num_kv"),
+        ("model.head_dim", 0, r"field 'model.head_dim' is 0, outside \[1, 1048576\]"),
+        ("model.rope_theta", -1.0, r"field 'model.rope_theta' must be > 0"),
+        ("model.weights_sha256", "xyz", r"'model.weights_sha256' must be null or a sha256"),
+        ("methods.vecinfer.size", -5, r"field 'methods.vecinfer.size' is -5, outside \[8, "),
+        ("methods.vecinfer.sha256", KeyError, r"required field 'methods.vecinfer.sha256'"),
+        ("methods.vecinfer.capture_point", "q_post", r"is 'q_post', but vecinfer is calibrated"),
+        ("methods.vecinfer.data.n_tokens", 0, r"'methods.vecinfer.data.n_tokens' is 0, outside"),
+        ("methods.vecinfer.tensors.smooth.shape", [30, 3, 32], r"'methods.vecinfer.tensors' "),
+        ("methods.vecinfer.hyperparameters.key_bitz", 8, r"unknown hyperparameters \['key_bitz'"),
+        ("methods.vecinfer.file", "vecinfer.safetensors", r"named by their content"),
+        ("methods.commvq2", {}, r"lists 'commvq2', which is not a calibrated method"),
+        ("format", "other", r"not a veloxquant-bundle manifest \(field 'format' is 'other'\)"),
+    ],
+)
+def test_manifest_schema_names_the_field(tmp_path, model_fp, field, value, match):
+    bundle = vecinfer_bundle(tmp_path / "b", model_fp)
+    edit_manifest(bundle, _set(field, value))
+    with pytest.raises(BundleError, match=match):
+        verify_bundle(bundle)
+
+
+@pytest.mark.parametrize(
+    "filters, match",
+    [
+        (lambda f: 2 * f, r"Q-Filters must be unit-norm \(norms range 2\.\.2\)"),
+        (lambda f: 0 * f, r"Q-Filters must be unit-norm \(norms range 0\.\.0\)"),
+    ],
+)
+def test_bad_filter_values_fail_verify_exactly_as_make_cache(bundle, smollm2, filters, match):
+    t = qfilters_tensors()
+    t["filters"] = filters(t["filters"])
+    rewrite(bundle, "qfilters", st_save(dict(sorted(t.items()))))
+    with pytest.raises(BundleError, match=match):
+        verify_bundle(bundle)
+    model, _ = smollm2
+    with pytest.raises(BundleError, match=match):
+        make_cache(model, KVCacheConfig(method="qfilters", artifact_dir=str(bundle), budget=64))
+
+
+def test_manifest_symlink_out_of_the_bundle(bundle, tmp_path):
+    outside = tmp_path / "elsewhere.json"
+    shutil.copy(bundle / MANIFEST, outside)
+    (bundle / MANIFEST).unlink()
+    (bundle / MANIFEST).symlink_to(outside)
+    with pytest.raises(
+        BundleError, match=r"manifest.json is a symlink to .*elsewhere.json, outside"
+    ):
+        load_bundle(bundle)
+
+
+def test_uncalibrated_with_artifact_dir_is_contradictory(bundle, smollm2):
+    model, _ = smollm2
+    cfg = KVCacheConfig(method="qfilters", budget=64, uncalibrated=True, artifact_dir=str(bundle))
+    with pytest.raises(ValueError, match=r"uncalibrated=True, artifact_dir=.* is contradictory"):
+        make_cache(model, cfg)
+
+
+def test_two_copies_of_one_model_are_one_model(bundle, model_fp, tmp_path):
+    """The path is information only: merging, adding a method and loading across copies at
+    different paths all work; a different digest is still refused, naming the field."""
+    copy = {**model_fp, "path": "/somewhere/else/smollm2"}
+    other = vecinfer_bundle(tmp_path / "vi", copy)
+    out = merge_bundles(tmp_path / "merged", [bundle, other])
+    assert load_bundle(out).methods == ["qfilters", "vecinfer"]
+    vecinfer_bundle(bundle, copy)  # into a bundle made from the other copy
+    assert load_bundle(bundle).methods == ["qfilters", "vecinfer"]
+
+    changed = vecinfer_bundle(tmp_path / "vi2", {**copy, "weights_sha256": "0" * 64})
+    with pytest.raises(
+        BundleError,
+        match=r"calibrated for a different model than .*: weights_sha256 is '\w{16}\.\.\.' vs "
+        r"'0{16}\.\.\.' \(models at /somewhere/else/smollm2 and /somewhere/else/smollm2\)",
+    ):
+        merge_bundles(tmp_path / "bad", [tmp_path / "vi", changed])
+
+
+def test_missing_listed_file(bundle):
+    path = method_path(bundle, "qfilters")
+    path.unlink()
+    with pytest.raises(BundleError, match=rf"{path.name}: file listed in the manifest is missing"):
+        load_bundle(bundle)
+
+
+def test_rerun_cleans_a_killed_writers_debris(bundle, model_fp):
+    """What a SIGKILL leaves (a temp file, a method file no manifest lists) goes on the next
+    write, under the writer lock."""
+    (bundle / ".qfilters-0123456789abcdef.safetensors.x1y2.tmp").write_bytes(b"half")
+    (bundle / ".manifest.json.abcd.tmp").write_bytes(b"{")
+    (bundle / "qfilters-0123456789abcdef.safetensors").write_bytes(b"orphan")
+    write_qf(bundle, model_fp, seed=0)  # same content: nothing to commit, debris still goes
+    assert sorted(p.name for p in bundle.iterdir()) == sorted(
+        [".lock", MANIFEST, method_path(bundle, "qfilters").name]
+    )

@@ -180,11 +180,11 @@ def _model_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     Paths are information only: two copies of one model at different paths are the same model.
     """
     for field in ARCH_FIELDS + DIGEST_FIELDS:
-        if a.get(field) != b.get(field):
-            return (
-                f"{field} is {_short(a.get(field))} vs {_short(b.get(field))} "
-                f"(models at {a.get('path')} and {b.get('path')})"
-            )
+        x, y = a.get(field), b.get(field)
+        if x != y:
+            if field in DIGEST_FIELDS:
+                x, y = (v[:16] + "..." if isinstance(v, str) else v for v in (x, y))
+            return f"{field} is {x!r} vs {y!r} (models at {a.get('path')} and {b.get('path')})"
     return None
 
 
