@@ -32,7 +32,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from veloxquant.io import save_safetensors_atomic, sha256_file, write_json_atomic
+from veloxquant.io import (
+    SafetensorsError,
+    parse_safetensors_header,
+    save_safetensors_atomic,
+    sha256_bytes,
+    sha256_file,
+    write_json_atomic,
+)
 
 NAMES = ("q_post", "k_pre", "k_post", "v")
 STATS = ("absmax", "mean", "sq_mean")
@@ -302,8 +309,16 @@ def capture_activations(
     return summary
 
 
+class CaptureError(ValueError):
+    """A capture dir is incomplete, modified or corrupt; the fix is to re-run the capture."""
+
+
+_RECAPTURE = "Re-run the capture (`dvc repro capture@<model>` or `veloxquant capture`)."
+
+
 def load_capture_info(capture_dir: str | Path) -> dict:
-    """capture.json of a complete capture dir (clear error if the capture never finished)."""
+    """capture.json of a complete capture dir, its fields checked (clear error if the capture
+    never finished or the file was edited)."""
     import json
 
     path = Path(capture_dir) / "capture.json"
@@ -313,19 +328,70 @@ def load_capture_info(capture_dir: str | Path) -> dict:
             "Run the capture stage first (`dvc repro capture` or "
             "`veloxquant capture`)."
         )
-    info = json.loads(path.read_text())
-    if info.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} has format {info.get('format')!r}; expected {FORMAT!r}. "
-            "Re-run the capture stage."
-        )
+    try:
+        info = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CaptureError(f"{path} is not valid json ({e}). {_RECAPTURE}") from e
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        found = info.get("format") if isinstance(info, dict) else type(info).__name__
+        raise CaptureError(f"{path} has format {found!r}; expected {FORMAT!r}. {_RECAPTURE}")
+    for key in ("num_layers", "n_sampled", "tokens_seen"):
+        value = info.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CaptureError(
+                f"{path}: field {key!r} must be an integer >= 0, got {value!r}. {_RECAPTURE}"
+            )
+    files = info.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(v, str) and len(v) == 64 for v in files.values()
+    ):
+        raise CaptureError(f"{path}: field 'files' must map each shard to its sha256. {_RECAPTURE}")
     return info
+
+
+def _read_verified(capture_dir: str | Path, name: str, info: dict) -> dict[str, np.ndarray]:
+    """One capture file as numpy arrays, after checking it against capture.json: listed,
+    present, well-formed safetensors (so a truncated file is named as such) and its sha256."""
+    from safetensors.numpy import load as st_load
+
+    path = Path(capture_dir) / name
+    if name not in info["files"]:
+        raise CaptureError(f"{path} is not listed in capture.json's 'files'. {_RECAPTURE}")
+    try:
+        data = path.read_bytes()  # hash and parse the same bytes
+    except FileNotFoundError:
+        raise CaptureError(f"{path} is listed in capture.json but missing. {_RECAPTURE}") from None
+    try:
+        parse_safetensors_header(data, str(path))
+    except SafetensorsError as e:
+        raise CaptureError(f"{e} {_RECAPTURE}") from e
+    digest = sha256_bytes(data)
+    if digest != info["files"][name]:
+        raise CaptureError(
+            f"{path}: sha256 {digest[:16]}... does not match capture.json's "
+            f"{info['files'][name][:16]}...: the file was modified or corrupted. {_RECAPTURE}"
+        )
+    return st_load(data)
+
+
+def _check_finite(x: np.ndarray, what: str, path: Path) -> None:
+    bad = ~np.isfinite(x)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CaptureError(
+            f"{path}: {what} contains NaN or Inf (first at index {list(index)} of shape "
+            f"{list(x.shape)}); every calibration would learn from it. {_RECAPTURE}"
+        )
 
 
 def load_activations(
     capture_dir: str | Path, layer: int, names: Sequence[str] | None = None
 ) -> dict[str, mx.array]:
-    """Sampled activations of one layer as float32 (positions stay int32)."""
+    """Sampled activations of one layer as float32 (positions stay int32).
+
+    The shard is checked against capture.json's sha256 and every returned tensor for NaN/Inf,
+    here once for every method, each error naming the file, the layer and the tensor.
+    """
     info = load_capture_info(capture_dir)
     if not 0 <= layer < info["num_layers"]:
         raise IndexError(
@@ -337,11 +403,27 @@ def load_activations(
         raise KeyError(
             f"unknown activation names {sorted(unknown)}; known: {list(NAMES) + ['positions']}"
         )
-    data = mx.load(str(Path(capture_dir) / f"layer_{layer:02d}.safetensors"))
-    return {n: data[n] if n == "positions" else data[n].astype(mx.float32) for n in names}
+    name = f"layer_{layer:02d}.safetensors"
+    data = _read_verified(capture_dir, name, info)
+    out = {}
+    for n in names:
+        if n not in data:
+            raise CaptureError(f"{Path(capture_dir) / name} has no tensor {n!r}. {_RECAPTURE}")
+        if n != "positions":
+            _check_finite(data[n], f"layer {layer} tensor {n!r}", Path(capture_dir) / name)
+        out[n] = mx.array(data[n]) if n == "positions" else mx.array(data[n]).astype(mx.float32)
+    return out
 
 
 def load_stats(capture_dir: str | Path) -> dict[str, mx.array]:
-    """Exact per-channel stats {name}.{absmax|mean|sq_mean}, float32 [L, H, D]."""
-    load_capture_info(capture_dir)
-    return mx.load(str(Path(capture_dir) / "stats.safetensors"))
+    """Exact per-channel stats {name}.{absmax|mean|sq_mean}, float32 [L, H, D], checked like
+    the shards (sha256, finiteness: an error names the layer and the tensor)."""
+    info = load_capture_info(capture_dir)
+    data = _read_verified(capture_dir, "stats.safetensors", info)
+    path = Path(capture_dir) / "stats.safetensors"
+    for key, x in data.items():
+        bad = ~np.isfinite(x)
+        if bad.any():
+            layer = int(np.argwhere(bad)[0][0])
+            _check_finite(x, f"layer {layer} stats tensor {key!r}", path)
+    return {k: mx.array(v) for k, v in data.items()}

@@ -353,11 +353,25 @@ def data_fingerprint(data_json_path: str | Path, split: str) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found. Run `dvc repro prepare_data` first.")
     info = json.loads(path.read_text())
-    part = info[split]
+    part = info.get(split) if isinstance(info, dict) else None
+    fields = {
+        "source": info.get("source") if isinstance(info, dict) else None,
+        "seq_len": info.get("seq_len") if isinstance(info, dict) else None,
+        "n_tokens": part.get("n_tokens") if isinstance(part, dict) else None,
+        "sha256": part.get("sha256") if isinstance(part, dict) else None,
+    }
+    missing = [
+        k if k in ("source", "seq_len") else f"{split}.{k}" for k, v in fields.items() if v is None
+    ]
+    if missing:
+        raise ValueError(
+            f"{path} lacks {missing}; it is not a data.json written by prepare-data. Re-run "
+            "`dvc repro prepare_data` (or `veloxquant prepare-data`)."
+        )
     return {
-        "source": info["source"],
+        "source": fields["source"],
         "split": split,
-        "seq_len": info["seq_len"],
-        "n_tokens": part["n_tokens"],
-        "sha256": part["sha256"],
+        "seq_len": fields["seq_len"],
+        "n_tokens": fields["n_tokens"],
+        "sha256": fields["sha256"],
     }
