@@ -35,6 +35,7 @@ from mlx_lm.models.cache import KVCache
 from veloxquant.io import (
     SafetensorsError,
     parse_safetensors_header,
+    safetensors_views,
     save_safetensors_atomic,
     sha256_bytes,
     sha256_file,
@@ -349,11 +350,12 @@ def load_capture_info(capture_dir: str | Path) -> dict:
     return info
 
 
-def _read_verified(capture_dir: str | Path, name: str, info: dict) -> dict[str, np.ndarray]:
-    """One capture file as numpy arrays, after checking it against capture.json: listed,
-    present, well-formed safetensors (so a truncated file is named as such) and its sha256."""
-    from safetensors.numpy import load as st_load
-
+def _read_verified(
+    capture_dir: str | Path, name: str, info: dict, tensors: Sequence[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Tensors (default: all) of one capture file as read-only numpy views, after checking the
+    file against capture.json: listed, present, well-formed safetensors (so a truncated file is
+    named as such), holding the tensors asked for, and its sha256 (over the bytes returned)."""
     path = Path(capture_dir) / name
     if name not in info["files"]:
         raise CaptureError(f"{path} is not listed in capture.json's 'files'. {_RECAPTURE}")
@@ -362,7 +364,7 @@ def _read_verified(capture_dir: str | Path, name: str, info: dict) -> dict[str, 
     except FileNotFoundError:
         raise CaptureError(f"{path} is listed in capture.json but missing. {_RECAPTURE}") from None
     try:
-        parse_safetensors_header(data, str(path))
+        header = parse_safetensors_header(data, str(path))
     except SafetensorsError as e:
         raise CaptureError(f"{e} {_RECAPTURE}") from e
     digest = sha256_bytes(data)
@@ -371,17 +373,21 @@ def _read_verified(capture_dir: str | Path, name: str, info: dict) -> dict[str, 
             f"{path}: sha256 {digest[:16]}... does not match capture.json's "
             f"{info['files'][name][:16]}...: the file was modified or corrupted. {_RECAPTURE}"
         )
-    return st_load(data)
+    missing = [t for t in tensors or () if t not in header]
+    if missing:
+        raise CaptureError(f"{path} has no tensors {missing}. {_RECAPTURE}")
+    return safetensors_views(data, None if tensors is None else list(tensors))
 
 
-def _check_finite(x: np.ndarray, what: str, path: Path) -> None:
-    bad = ~np.isfinite(x)
-    if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
+def _as_float32(x: np.ndarray, what: str, path: Path) -> mx.array:
+    """x as an mx float32 array, or an error naming where its first NaN/Inf is."""
+    if not np.isfinite(x).all():
+        index = [int(i) for i in np.argwhere(~np.isfinite(x))[0]]
         raise CaptureError(
-            f"{path}: {what} contains NaN or Inf (first at index {list(index)} of shape "
+            f"{path}: {what} contains NaN or Inf (first at index {index} of shape "
             f"{list(x.shape)}); every calibration would learn from it. {_RECAPTURE}"
         )
+    return mx.array(x).astype(mx.float32)
 
 
 def load_activations(
@@ -404,26 +410,22 @@ def load_activations(
             f"unknown activation names {sorted(unknown)}; known: {list(NAMES) + ['positions']}"
         )
     name = f"layer_{layer:02d}.safetensors"
-    data = _read_verified(capture_dir, name, info)
-    out = {}
-    for n in names:
-        if n not in data:
-            raise CaptureError(f"{Path(capture_dir) / name} has no tensor {n!r}. {_RECAPTURE}")
-        if n != "positions":
-            _check_finite(data[n], f"layer {layer} tensor {n!r}", Path(capture_dir) / name)
-        out[n] = mx.array(data[n]) if n == "positions" else mx.array(data[n]).astype(mx.float32)
-    return out
+    path = Path(capture_dir) / name
+    data = _read_verified(capture_dir, name, info, names)
+    return {
+        n: mx.array(x) if n == "positions" else _as_float32(x, f"layer {layer} tensor {n!r}", path)
+        for n, x in data.items()
+    }
 
 
 def load_stats(capture_dir: str | Path) -> dict[str, mx.array]:
     """Exact per-channel stats {name}.{absmax|mean|sq_mean}, float32 [L, H, D], checked like
     the shards (sha256, finiteness: an error names the layer and the tensor)."""
     info = load_capture_info(capture_dir)
-    data = _read_verified(capture_dir, "stats.safetensors", info)
     path = Path(capture_dir) / "stats.safetensors"
-    for key, x in data.items():
-        bad = ~np.isfinite(x)
-        if bad.any():
-            layer = int(np.argwhere(bad)[0][0])
-            _check_finite(x, f"layer {layer} stats tensor {key!r}", path)
-    return {k: mx.array(v) for k, v in data.items()}
+    out = {}
+    for key, x in _read_verified(capture_dir, path.name, info).items():
+        bad = np.argwhere(~np.isfinite(x))  # stats are small, [L, H, D]: axis 0 is the layer
+        what = f"layer {int(bad[0][0])} stats tensor {key!r}" if len(bad) else key
+        out[key] = _as_float32(x, what, path)
+    return out

@@ -291,3 +291,22 @@ def parse_safetensors_header(data: bytes, where: str) -> dict[str, tuple[tuple[i
     if pos != body:
         raise SafetensorsError(f"{where}: {body - pos} trailing bytes after the tensor data.")
     return out
+
+
+def safetensors_views(data: bytes, names: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Read-only numpy views (no copy) of the named tensors (default: all) of a safetensors blob
+    that `parse_safetensors_header` has validated."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header.pop("__metadata__", None)
+    out = {}
+    for name in header if names is None else names:
+        info = header[name]
+        if info["dtype"] == "BF16":
+            raise SafetensorsError(f"tensor {name!r} is bfloat16, which numpy cannot view.")
+        dtype = np.dtype(_ST_DTYPES[info["dtype"]]).newbyteorder("<")
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        view = np.frombuffer(data, dtype=dtype, count=count, offset=8 + n + start)
+        out[name] = view.reshape(info["shape"])
+    return out
