@@ -1,14 +1,16 @@
 """Crash safety: kill every mutating bundle command at each of its durability points.
 
 Each command (`veloxquant calibrate`, `merge_bundles` as the bundle stage calls it, `veloxquant
-bundle export`) runs in a subprocess on a copy of a bundle that already holds two generations.
+bundle export`) runs in its own process on a copy of a bundle that already holds two
+generations.
 veloxquant.io's fault hook (VELOXQUANT_FAULT_AT=N) makes it os._exit just before its Nth fsync,
 rename or unlink, as a SIGKILL there would. After each kill the bundle on disk must be exactly
 the old one or exactly the new one (manifest bytes), verify against the model, and a rerun must
 succeed, give the same bytes as an uninterrupted run and leave no debris.
 
-Everything runs on a tiny random llama, so one command costs little more than the interpreter's
-start; the kills of one command run two at a time.
+Everything runs on a tiny random llama with synthetic (spec-shaped) artifacts, except the
+calibration under test, and each run is a fork of one driver process that imported veloxquant
+once (DRIVER below), so the whole matrix takes seconds.
 """
 
 from __future__ import annotations
@@ -223,36 +225,39 @@ def test_kill_calibrate_at_every_point(tiny, tmp_path):
     assert n >= 6
 
 
+def method_bundles(tiny: dict, root: Path, seed: int) -> dict[str, Path]:
+    """One single-method bundle per method, as the calibration stages leave them."""
+    out = {}
+    for method in ("qfilters", "vecinfer"):
+        out[method] = root / f"{method}-{seed}"
+        synthetic(out[method], tiny["model_dir"], method, seed)
+    return out
+
+
 def test_kill_merge_at_every_point(tiny, tmp_path):
-    inputs = {}
-    for seed in (0, 1, 2):
-        inputs[seed] = tmp_path / "inputs" / f"qfilters-{seed}"
-        synthetic(inputs[seed], tiny["model_dir"], "qfilters", seed)
-    vec = tmp_path / "inputs" / "vecinfer"
-    synthetic(vec, tiny["model_dir"], "vecinfer")
+    """The bundle stage after both methods were recalibrated: two new files, one manifest."""
+    gens = {seed: method_bundles(tiny, tmp_path / "inputs", seed) for seed in (0, 1, 2)}
     template = tmp_path / "merge"
-    merge_bundles(template / "bundle", [inputs[1], vec])
-    merge_bundles(template / "bundle", [inputs[0], vec])
+    merge_bundles(template / "bundle", list(gens[1].values()))
+    merge_bundles(template / "bundle", list(gens[0].values()))
 
     n = kill_at_every_point(
         "merge",
         template,
         "bundle",
-        ["merge", "{copy}/bundle", str(inputs[2]), str(vec)],
+        ["merge", "{copy}/bundle", *map(str, gens[2].values())],
         tiny["model_dir"],
     )
-    assert n >= 6
+    assert n >= 9
 
 
 def test_kill_export_at_every_point(tiny, tmp_path):
-    sources = {}
-    vec = tmp_path / "vecinfer"
-    synthetic(vec, tiny["model_dir"], "vecinfer")
-    for seed in (0, 1, 2):
-        synthetic(tmp_path / f"qfilters-{seed}", tiny["model_dir"], "qfilters", seed)
-        sources[seed] = merge_bundles(
-            tmp_path / f"src-{seed}", [tmp_path / f"qfilters-{seed}", vec]
+    sources = {
+        seed: merge_bundles(
+            tmp_path / f"src-{seed}", list(method_bundles(tiny, tmp_path, seed).values())
         )
+        for seed in (0, 1, 2)
+    }
     template = tmp_path / "export"
     shutil.copytree(tiny["model_dir"], template)  # another copy of the same model
     export_bundle(sources[1], template)
@@ -265,5 +270,5 @@ def test_kill_export_at_every_point(tiny, tmp_path):
         ["bundle", "export", str(sources[2]), "{copy}"],
         None,  # each copy is the model dir it is verified against
     )
-    assert n >= 6
+    assert n >= 9
     print(f"\nfault injection: kill points covered {COVERED} = {sum(COVERED.values())}")
