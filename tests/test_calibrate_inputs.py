@@ -123,3 +123,17 @@ def test_nan_in_the_capture_fails_calibration_naming_layer_tensor_and_file(
     assert (
         f"{shard}: layer 1 tensor '{tensor}' contains NaN or Inf (first at index [10, 1, 2]"
     ) in err
+
+
+def test_data_json_without_the_calib_split(calib_dir, smollm2_dir, tmp_path, capsys):
+    (tmp_path / "data.json").write_text(json.dumps({"source": {}, "seq_len": 256}))
+    root = tmp_path / "calib"
+    root.mkdir()
+    (root / "activations").symlink_to(calib_dir / "activations")
+    err = run_calibrate(
+        capsys, "qfilters", root, smollm2_dir, "--data-json", str(tmp_path / "data.json")
+    )
+    assert (
+        "data.json is not a data.json written by prepare-data: it needs 'source', 'seq_len' "
+        "and 'calib' with 'n_tokens' and 'sha256'"
+    ) in err

@@ -354,24 +354,19 @@ def data_fingerprint(data_json_path: str | Path, split: str) -> dict:
         raise FileNotFoundError(f"{path} not found. Run `dvc repro prepare_data` first.")
     info = json.loads(path.read_text())
     part = info.get(split) if isinstance(info, dict) else None
-    fields = {
-        "source": info.get("source") if isinstance(info, dict) else None,
-        "seq_len": info.get("seq_len") if isinstance(info, dict) else None,
-        "n_tokens": part.get("n_tokens") if isinstance(part, dict) else None,
-        "sha256": part.get("sha256") if isinstance(part, dict) else None,
-    }
-    missing = [
-        k if k in ("source", "seq_len") else f"{split}.{k}" for k, v in fields.items() if v is None
-    ]
-    if missing:
+    if (
+        not isinstance(part, dict)
+        or any(k not in info for k in ("source", "seq_len"))
+        or any(k not in part for k in ("n_tokens", "sha256"))
+    ):
         raise ValueError(
-            f"{path} lacks {missing}; it is not a data.json written by prepare-data. Re-run "
-            "`dvc repro prepare_data` (or `veloxquant prepare-data`)."
+            f"{path} is not a data.json written by prepare-data: it needs 'source', 'seq_len' "
+            f"and '{split}' with 'n_tokens' and 'sha256'. Re-run `dvc repro prepare_data`."
         )
     return {
-        "source": fields["source"],
+        "source": info["source"],
         "split": split,
-        "seq_len": fields["seq_len"],
-        "n_tokens": fields["n_tokens"],
-        "sha256": fields["sha256"],
+        "seq_len": info["seq_len"],
+        "n_tokens": part["n_tokens"],
+        "sha256": part["sha256"],
     }
