@@ -21,19 +21,21 @@ from veloxquant.bundle import BundleError, load_bundle
 from veloxquant.fingerprint import fingerprint_model_dir
 
 ROOT = Path(veloxquant.__file__).resolve().parents[1]
-WRITES = 120  # each one a new generation: new file, and the one two generations back deleted
-LOADS = 250
+WRITES = 40  # each one a new generation: new file, and the one two generations back deleted
+LOADS = 100  # at least; the reader goes on until the writer is done
 
 WRITER = """
-import json, sys
+import json, sys, time
 from pathlib import Path
 from tests.test_bundle import DATA, write_qf
 
 bundle, fp, n = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), int(sys.argv[3])
 for i in range(1, n + 1):
     write_qf(bundle, fp, seed=i, data={**DATA, "n_tokens": 1000 + i})
-    if i == 1:
+    if i == 1:  # from here on every write races the reader's loop
         (bundle.parent / "started").touch()
+        while not (bundle.parent / "reading").exists():
+            time.sleep(0.001)
 """
 
 
@@ -55,9 +57,13 @@ def test_reader_sees_whole_generations_during_rewrites(tmp_path, smollm2_dir):
             assert writer.poll() is None, writer.stderr.read()
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        errors, seen, during = [], set(), 0
-        for _ in range(LOADS):
+        # Load until the writer is done (at least LOADS times), so every load races a rewrite
+        errors, seen, loads, during = [], set(), 0, 0
+        (tmp_path / "reading").touch()
+        while loads < LOADS or writer.poll() is None:
+            assert time.monotonic() < deadline + 120, "the writer did not finish"
             running = writer.poll() is None
+            loads += 1
             try:
                 b = load_bundle(bundle)
                 seed = b.manifest["methods"]["qfilters"]["hyperparameters"]["seed"]
@@ -71,12 +77,12 @@ def test_reader_sees_whole_generations_during_rewrites(tmp_path, smollm2_dir):
     finally:
         _, stderr = writer.communicate(timeout=120)
     assert writer.returncode == 0, stderr[-3000:]
-    assert errors == [], f"{len(errors)} of {LOADS} loads failed, e.g. {errors[:3]}"
+    assert errors == [], f"{len(errors)} of {loads} loads failed, e.g. {errors[:3]}"
     # the loop really overlapped the rewrites
-    assert during >= 20 and len(seen) >= 5, (during, sorted(seen))
+    assert during >= 10 and len(seen) >= 3, (during, sorted(seen))
     final = load_bundle(bundle).manifest["methods"]["qfilters"]["hyperparameters"]["seed"]
     assert final == WRITES
-    print(f"\nconcurrency: {LOADS} loads, {during} during {WRITES} rewrites, 0 errors")
+    print(f"\nconcurrency: {loads} loads, {during} during {WRITES} rewrites, 0 errors")
 
 
 def test_reader_retries_when_its_generation_is_collected(tmp_path, smollm2_dir, monkeypatch):
