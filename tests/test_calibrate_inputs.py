@@ -56,12 +56,29 @@ def calib_ids(calib_dir) -> np.ndarray:
     return load_tokens(calib_dir / "data" / "calib.safetensors")
 
 
+@pytest.fixture(scope="module")
+def capture18(calib_ids, smollm2, tmp_path_factory) -> Path:
+    """The issue's capture: 18 tokens from 1 window, in a consistent layout."""
+    return small_layout(tmp_path_factory.mktemp("capture18"), smollm2[0], calib_ids[:1, :18])
+
+
+@pytest.fixture(scope="module")
+def capture100(calib_ids, smollm2, tmp_path_factory) -> Path:
+    """Enough tokens for qfilters, few enough to copy and calibrate on in a moment."""
+    return small_layout(tmp_path_factory.mktemp("capture100"), smollm2[0], calib_ids[:1, :100])
+
+
+def copy_of(layout: Path, tmp_path: Path) -> Path:
+    shutil.copytree(layout, tmp_path / "layout")
+    return tmp_path / "layout"
+
+
 def test_capture_of_other_tokens_is_false_provenance(
-    calib_dir, calib_ids, smollm2, smollm2_dir, tmp_path, capsys
+    calib_dir, calib_ids, capture18, smollm2_dir, tmp_path, capsys
 ):
     """The issue's case: a capture of 18 tokens from 1 window, with the data.json of the full
     calib split (1024 tokens here), must not become a bundle claiming that data."""
-    small = small_layout(tmp_path, smollm2[0], calib_ids[:1, :18])
+    small = copy_of(capture18, tmp_path)
     data_json = calib_dir / "data" / "data.json"
     err = run_calibrate(capsys, "qfilters", small, smollm2_dir, "--data-json", str(data_json))
     assert (
@@ -72,17 +89,17 @@ def test_capture_of_other_tokens_is_false_provenance(
 
 
 def test_calib_tokens_that_do_not_match_data_json(
-    calib_ids, smollm2, smollm2_dir, tmp_path, capsys
+    calib_ids, capture18, smollm2_dir, tmp_path, capsys
 ):
-    root = small_layout(tmp_path, smollm2[0], calib_ids[:1, :200])
-    save_safetensors_atomic(root / "data" / "calib.safetensors", {"tokens": calib_ids[:1, 1:201]})
+    root = copy_of(capture18, tmp_path)
+    save_safetensors_atomic(root / "data" / "calib.safetensors", {"tokens": calib_ids[:1, 1:19]})
     err = run_calibrate(capsys, "qfilters", root, smollm2_dir)
     assert "Provenance mismatch: the tokens in " in err and "calib.safetensors do not hash" in err
 
 
-def test_vecinfer_on_18_tokens_is_refused(calib_ids, smollm2, smollm2_dir, tmp_path, capsys):
+def test_vecinfer_on_18_tokens_is_refused(capture18, smollm2_dir, tmp_path, capsys):
     """The issue's case: vecinfer on 18 captured tokens (16 train, 2 held out) exited 0."""
-    root = small_layout(tmp_path, smollm2[0], calib_ids[:1, :18])
+    root = copy_of(capture18, tmp_path)
     err = run_calibrate(capsys, "vecinfer", root, smollm2_dir)
     assert "holds 18 tokens, but vecinfer needs at least 155 with these hyperparameters" in err
 
@@ -101,14 +118,13 @@ def test_every_method_enforces_its_minimum(
 
 @pytest.mark.parametrize("tensor", ["k_post", "q_post"])
 def test_nan_in_the_capture_fails_calibration_naming_layer_tensor_and_file(
-    calib_dir, smollm2_dir, tmp_path, capsys, tensor
+    capture100, smollm2_dir, tmp_path, capsys, tensor
 ):
     """The issue's case: a NaN in k_post gave `calibrate qfilters` rc 0 and a bundle that
     verifies; a NaN in q_post blamed the output tensor `filters`."""
     from safetensors.numpy import load_file
 
-    root = tmp_path / "calib"
-    shutil.copytree(calib_dir, root)
+    root = copy_of(capture100, tmp_path)
     shard = root / "activations" / "layer_01.safetensors"
     arrays = load_file(str(shard))
     arrays[tensor][10, 1, 2] = np.nan

@@ -58,18 +58,18 @@ def calibrate(
     info = load_capture_info(activations_dir)
     data = data_fingerprint(data_json, "calib")
     check_provenance(data, info, Path(data_json), activations_dir / "capture.json")
+    calib_tokens = Path(data_json).parent / "calib.safetensors"
+    if calib_tokens.is_file() and tokens_sha256(load_tokens(calib_tokens)) != data["sha256"]:
+        raise ValueError(
+            f"Provenance mismatch: the tokens in {calib_tokens} do not hash to the calib sha256 "
+            f"that {data_json} records; re-run prepare_data."
+        )
     need = spec.min_tokens(dims, hp)
     if info["n_sampled"] < need:
         raise ValueError(
             f"{method}: the capture {activations_dir} holds {info['n_sampled']} tokens, but "
             f"{method} needs at least {need} with these hyperparameters. Raise the capture "
             "token_budget (or the calibration data) and capture again."
-        )
-    calib_tokens = Path(data_json).parent / "calib.safetensors"
-    if calib_tokens.is_file() and tokens_sha256(load_tokens(calib_tokens)) != data["sha256"]:
-        raise ValueError(
-            f"Provenance mismatch: the tokens in {calib_tokens} do not hash to the calib sha256 "
-            f"that {data_json} records; re-run prepare_data."
         )
     inputs = CalibrationInputs(
         activations_dir=activations_dir,
