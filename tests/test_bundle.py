@@ -6,6 +6,7 @@ calibration -> bundle -> make_cache -> generate path is in test_qfilters.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -28,6 +29,7 @@ from veloxquant.bundle import (
     export_bundle,
     load_bundle,
     merge_bundles,
+    method_file,
     verify_bundle,
     write_method,
 )
@@ -105,14 +107,20 @@ def manifest(path: Path) -> dict:
     return json.loads((path / MANIFEST).read_text())
 
 
-def rewrite(bundle: Path, method: str, data: bytes) -> None:
-    """Replace a method file AND fix its manifest checksum, so later checks are exercised."""
-    m = manifest(bundle)
-    (bundle / m["methods"][method]["file"]).write_bytes(data)
-    m["methods"][method]["size"] = len(data)
-    import hashlib
+def method_path(bundle: Path, method: str) -> Path:
+    return bundle / manifest(bundle)["methods"][method]["file"]
 
-    m["methods"][method]["sha256"] = hashlib.sha256(data).hexdigest()
+
+def rewrite(bundle: Path, method: str, data: bytes) -> None:
+    """Replace a method file AND fix its manifest entry (content address, size, sha256), so
+    later checks are exercised."""
+    m = manifest(bundle)
+    entry = m["methods"][method]
+    (bundle / entry["file"]).unlink()
+    entry["sha256"] = hashlib.sha256(data).hexdigest()
+    entry["size"] = len(data)
+    entry["file"] = method_file(method, entry["sha256"])
+    (bundle / entry["file"]).write_bytes(data)
     (bundle / MANIFEST).write_text(json.dumps(m))
 
 
@@ -141,32 +149,36 @@ def test_round_trip(bundle, smollm2, model_fp):
     assert info["diagnostics"]["spearman_mean"] == 0.7
     assert info["data"] == DATA
     m = b.manifest
-    assert (m["format"], m["format_version"]) == ("veloxquant-bundle", 1)
+    assert (m["format"], m["format_version"]) == ("veloxquant-bundle", 2)
     assert m["model"]["num_layers"] == 30 and m["model"]["num_kv_heads"] == 3
     assert m["model"]["rope_traditional"] is True and m["model"]["rope_theta"] == 1e5
     assert m["model"]["weights_sha256"] == model_fp["weights_sha256"] is not None
     assert m["model"]["tokenizer_sha256"] == model_fp["tokenizer_sha256"] is not None
     e = m["methods"]["qfilters"]
-    assert e["size"] == (bundle / "qfilters.safetensors").stat().st_size
+    assert e["file"] == f"qfilters-{e['sha256'][:16]}.safetensors"  # named by its content
+    assert e["size"] == (bundle / e["file"]).stat().st_size
     assert set(e["versions"]) >= {"veloxquant", "mlx", "mlx-lm"}
     assert e["tensors"]["filters"] == {"shape": [30, 3, 64], "dtype": "float32"}
 
 
 def test_determinism(tmp_path, model_fp):
+    """Same content, same bytes: file names and manifest (no timestamps), so DVC outputs of a
+    rerun do not churn; and a rerun into the same dir changes nothing on disk."""
     write_qf(tmp_path / "a", model_fp)
     write_qf(tmp_path / "b", model_fp)
-    fa, fb = (tmp_path / d / "qfilters.safetensors" for d in "ab")
-    assert fa.read_bytes() == fb.read_bytes()
-
-    def strip(m):
-        m.pop("created_at")
-        m["methods"]["qfilters"].pop("created_at")
-        return m
-
-    assert strip(manifest(tmp_path / "a")) == strip(manifest(tmp_path / "b"))
-    # and the json itself is canonical (sorted keys), so equal content means equal bytes
-    ta = (tmp_path / "a" / MANIFEST).read_text()
-    assert ta == json.dumps(json.loads(ta), indent=2, sort_keys=True) + "\n"
+    fa, fb = (method_path(tmp_path / d, "qfilters") for d in "ab")
+    assert fa.name == fb.name and fa.read_bytes() == fb.read_bytes()
+    ta = (tmp_path / "a" / MANIFEST).read_bytes()
+    assert ta == (tmp_path / "b" / MANIFEST).read_bytes()
+    assert "created_at" not in ta.decode()
+    # the json itself is canonical (sorted keys), so equal content means equal bytes
+    assert ta.decode() == json.dumps(json.loads(ta), indent=2, sort_keys=True) + "\n"
+    stat = os.stat(tmp_path / "a" / MANIFEST)
+    write_qf(tmp_path / "a", model_fp)
+    assert os.stat(tmp_path / "a" / MANIFEST).st_mtime_ns == stat.st_mtime_ns
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(
+        [".lock", fa.name, MANIFEST]
+    )
 
 
 def test_refresh_one_method_leaves_the_other_untouched(bundle, model_fp):
@@ -176,16 +188,17 @@ def test_refresh_one_method_leaves_the_other_untouched(bundle, model_fp):
         vecinfer_tensors(),
         model_dir=model_fp,
         data_fingerprint=DATA,
-        capture_point="k_post",
+        capture_point="k_post,v",
         hyperparameters=VECINFER_HP,
         diagnostics={"mse": 0.1},
     )
-    before = (bundle / "vecinfer.safetensors").read_bytes()
+    vec = method_path(bundle, "vecinfer")
+    before = vec.read_bytes()
     entry = manifest(bundle)["methods"]["vecinfer"]
-    stat = os.stat(bundle / "vecinfer.safetensors")
+    stat = os.stat(vec)
     write_qf(bundle, model_fp, seed=5, data={**DATA, "sha256": "cd" * 32})
-    assert (bundle / "vecinfer.safetensors").read_bytes() == before
-    assert os.stat(bundle / "vecinfer.safetensors").st_mtime_ns == stat.st_mtime_ns
+    assert method_path(bundle, "vecinfer") == vec and vec.read_bytes() == before
+    assert os.stat(vec).st_mtime_ns == stat.st_mtime_ns
     m = manifest(bundle)
     assert m["methods"]["vecinfer"] == entry
     assert m["methods"]["qfilters"]["data"]["sha256"] == "cd" * 32
@@ -212,7 +225,16 @@ def test_inspect_and_verify(bundle, smollm2_dir):
     verify_bundle(bundle, model_dir=smollm2_dir, strict=True)
 
 
-def test_export_next_to_model_and_found_by_make_cache(bundle, smollm2, smollm2_dir, tmp_path):
+def _sha(bundle: Path, method: str, seed: int) -> str:
+    """sha256 of the qfilters file write_qf(seed) gives (written to a scratch bundle)."""
+    scratch = bundle.parent / f"scratch-{seed}"
+    write_qf(scratch, manifest(bundle)["model"], seed=seed)
+    return manifest(scratch)["methods"][method]["sha256"]
+
+
+def test_export_next_to_model_and_found_by_make_cache(
+    bundle, smollm2, smollm2_dir, tmp_path, model_fp
+):
     model, _ = smollm2
     # a model dir of links to the real files: same digests, and exporting does not touch it
     model_dir = tmp_path / "model"
@@ -222,11 +244,21 @@ def test_export_next_to_model_and_found_by_make_cache(bundle, smollm2, smollm2_d
             (model_dir / f.name).symlink_to(f.resolve())
     dest = export_bundle(bundle, model_dir)
     assert dest == model_dir / BUNDLE_SUBDIR
-    assert sorted(p.name for p in dest.iterdir()) == [MANIFEST, "qfilters.safetensors"]
-    assert (dest / "qfilters.safetensors").read_bytes() == (
-        bundle / "qfilters.safetensors"
-    ).read_bytes()
-    export_bundle(bundle, model_dir)  # re-export replaces it cleanly
+    qf = method_path(bundle, "qfilters")
+    assert sorted(p.name for p in dest.iterdir()) == [".lock", MANIFEST, qf.name]
+    assert (dest / qf.name).read_bytes() == qf.read_bytes()
+    assert (dest / MANIFEST).read_bytes() == (bundle / MANIFEST).read_bytes()
+    write_qf(bundle, model_fp, seed=3)
+    export_bundle(bundle, model_dir)  # re-export replaces it in place
+    assert (dest / MANIFEST).read_bytes() == (bundle / MANIFEST).read_bytes()
+    # the previous generation's file is kept for readers that are still on it; one more
+    # export collects it
+    assert (dest / qf.name).exists()
+    write_qf(bundle, model_fp, seed=0)
+    export_bundle(bundle, model_dir)
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        [".lock", MANIFEST, qf.name, method_file("qfilters", _sha(bundle, "qfilters", 3))]
+    )
     assert not [p for p in model_dir.iterdir() if p.name.startswith(".")]
     verify_bundle(model_dir)  # a model dir resolves to its shipped bundle
 
@@ -248,15 +280,14 @@ def test_merge_bundles(bundle, model_fp, tmp_path):
         vecinfer_tensors(),
         model_dir=model_fp,
         data_fingerprint=DATA,
-        capture_point="k_post",
+        capture_point="k_post,v",
         hyperparameters=VECINFER_HP,
         diagnostics={},
     )
     out = merge_bundles(tmp_path / "merged", [bundle, other])
     assert load_bundle(out).methods == ["qfilters", "vecinfer"]
-    assert (out / "vecinfer.safetensors").read_bytes() == (
-        other / "vecinfer.safetensors"
-    ).read_bytes()
+    vec = method_path(other, "vecinfer")
+    assert (out / vec.name).read_bytes() == vec.read_bytes()
     with pytest.raises(BundleError, match="more than one input"):
         merge_bundles(tmp_path / "twice", [bundle, bundle])
 
@@ -282,7 +313,7 @@ def test_missing_method_names_its_stage(bundle, smollm2):
 
 
 def test_truncated_file(bundle):
-    f = bundle / "qfilters.safetensors"
+    f = method_path(bundle, "qfilters")
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(
         BundleError, match=r"size is \d+ bytes but the manifest says \d+ \(truncated"
@@ -291,7 +322,7 @@ def test_truncated_file(bundle):
 
 
 def test_flipped_byte(bundle):
-    f = bundle / "qfilters.safetensors"
+    f = method_path(bundle, "qfilters")
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
@@ -300,7 +331,7 @@ def test_flipped_byte(bundle):
 
 
 def test_truncated_file_with_matching_checksum_is_caught_by_the_header_check(bundle):
-    rewrite(bundle, "qfilters", (bundle / "qfilters.safetensors").read_bytes()[:-100])
+    rewrite(bundle, "qfilters", method_path(bundle, "qfilters").read_bytes()[:-100])
     with pytest.raises(BundleError, match="inconsistent data offsets|trailing bytes|truncated"):
         load_bundle(bundle)
 
@@ -450,8 +481,8 @@ def test_other_copy_of_the_model_warns_or_fails_under_strict(bundle, smollm2):
 
 
 def test_unknown_format_version(bundle):
-    edit_manifest(bundle, lambda m: m.update(format_version=2))
-    with pytest.raises(BundleError, match="unknown bundle format_version 2"):
+    edit_manifest(bundle, lambda m: m.update(format_version=3))
+    with pytest.raises(BundleError, match="unknown bundle format_version 3.*Upgrade veloxquant"):
         load_bundle(bundle)
 
 
@@ -469,7 +500,7 @@ def test_not_a_bundle(tmp_path):
     ],
 )
 def test_path_traversal_in_manifest(bundle, name, match):
-    shutil.copy(bundle / "qfilters.safetensors", bundle.parent / "qfilters.safetensors")
+    shutil.copy(method_path(bundle, "qfilters"), bundle.parent / "qfilters.safetensors")
     edit_manifest(bundle, lambda m: m["methods"]["qfilters"].update(file=name))
     with pytest.raises(BundleError, match=match):
         load_bundle(bundle)
@@ -477,7 +508,7 @@ def test_path_traversal_in_manifest(bundle, name, match):
 
 def test_symlink_out_of_the_bundle(bundle, tmp_path):
     outside = tmp_path / "outside.safetensors"
-    shutil.copy(bundle / "qfilters.safetensors", outside)
+    shutil.copy(method_path(bundle, "qfilters"), outside)
     (bundle / "link.safetensors").symlink_to(outside)
     edit_manifest(bundle, lambda m: m["methods"]["qfilters"].update(file="link.safetensors"))
     with pytest.raises(BundleError, match="outside the bundle dir"):
@@ -486,7 +517,7 @@ def test_symlink_out_of_the_bundle(bundle, tmp_path):
 
 def test_pickle_named_safetensors(bundle):
     payload = pickle.dumps(qfilters_tensors(), protocol=4)
-    (bundle / "qfilters.safetensors").write_bytes(payload)  # manifest checksum not even fixed
+    method_path(bundle, "qfilters").write_bytes(payload)  # manifest checksum not even fixed
     with pytest.raises(BundleError, match="is a Python pickle, not safetensors"):
         load_bundle(bundle)
     rewrite(bundle, "qfilters", payload)  # ... nor when the checksum matches
@@ -509,7 +540,164 @@ def test_writing_a_different_model_into_a_bundle_is_refused(bundle, model_fp):
             vecinfer_tensors(),
             model_dir=other,
             data_fingerprint=DATA,
-            capture_point="k_post",
+            capture_point="k_post,v",
             hyperparameters=VECINFER_HP,
             diagnostics={},
         )
+
+
+# ------------------------------------------------------------------------------- issue 10
+# One test per case of issue 10 that concerns bundles; each asserts the message users see.
+
+
+def test_format_version_1_names_the_fix(bundle):
+    edit_manifest(bundle, lambda m: m.update(format_version=1))
+    with pytest.raises(
+        BundleError,
+        match=r"format_version 1 was written by an older veloxquant.*reads version 2.*"
+        r"veloxquant calibrate METHOD ACTIVATIONS MODEL NEW_DIR.*veloxquant bundle export",
+    ):
+        load_bundle(bundle)
+    with pytest.raises(BundleError, match="format_version 1 was written by an older"):
+        write_qf(bundle, manifest(bundle)["model"], seed=1)  # no silent overwrite either
+
+
+def test_manifest_that_is_a_json_list(bundle):
+    (bundle / MANIFEST).write_text("[1, 2, 3]")
+    with pytest.raises(BundleError, match="the manifest is a json array; expected an object"):
+        load_bundle(bundle)
+
+
+def vecinfer_bundle(bundle: Path, model_fp: dict) -> Path:
+    write_method(
+        bundle,
+        "vecinfer",
+        vecinfer_tensors(),
+        model_dir=model_fp,
+        data_fingerprint=DATA,
+        capture_point="k_post,v",
+        hyperparameters=VECINFER_HP,
+        diagnostics={},
+    )
+    return bundle
+
+
+def _set(path: str, value):
+    def edit(m):
+        *parents, last = path.split(".")
+        for p in parents:
+            m = m[p]
+        if value is KeyError:
+            del m[last]
+        else:
+            m[last] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("model.num_layers", KeyError, r"required field 'model.num_layers' is missing"),
+        (
+            "methods.vecinfer.hyperparameters.key_bits",
+            20000,
+            r"field 'methods.vecinfer.hyperparameters': vecinfer: key_bits must be an integer "
+            r"in \[1, 16\], got 20000",
+        ),
+        ("methods", {}, r"field 'methods' is empty; a bundle holds at least one calibrated"),
+        ("model.num_kv_heads", "3", r"field 'model.num_kv_heads' must be an integer, got '3'"),
+        ("model.num_heads", 10, r"'model.num_heads' \(10\) is not a multiple of 'model.num_kv"),
+        ("model.head_dim", 0, r"field 'model.head_dim' is 0, outside \[1, 1048576\]"),
+        ("model.rope_theta", -1.0, r"field 'model.rope_theta' must be > 0"),
+        ("model.weights_sha256", "xyz", r"'model.weights_sha256' must be null or a sha256"),
+        ("methods.vecinfer.size", -5, r"field 'methods.vecinfer.size' is -5, outside \[8, "),
+        ("methods.vecinfer.sha256", KeyError, r"required field 'methods.vecinfer.sha256'"),
+        ("methods.vecinfer.capture_point", "q_post", r"is 'q_post', but vecinfer is calibrated"),
+        ("methods.vecinfer.data.n_tokens", 0, r"'methods.vecinfer.data.n_tokens' is 0, outside"),
+        ("methods.vecinfer.tensors.smooth.shape", [30, 3, 32], r"'methods.vecinfer.tensors' "),
+        ("methods.vecinfer.hyperparameters.key_bitz", 8, r"unknown hyperparameters \['key_bitz'"),
+        ("methods.vecinfer.file", "vecinfer.safetensors", r"named by their content"),
+        ("methods.commvq2", {}, r"lists 'commvq2', which is not a calibrated method"),
+        ("format", "other", r"not a veloxquant-bundle manifest \(field 'format' is 'other'\)"),
+    ],
+)
+def test_manifest_schema_names_the_field(tmp_path, model_fp, field, value, match):
+    bundle = vecinfer_bundle(tmp_path / "b", model_fp)
+    edit_manifest(bundle, _set(field, value))
+    with pytest.raises(BundleError, match=match):
+        verify_bundle(bundle)
+
+
+@pytest.mark.parametrize(
+    "filters, match",
+    [
+        (lambda f: 2 * f, r"Q-Filters must be unit-norm \(norms range 2\.\.2\)"),
+        (lambda f: 0 * f, r"Q-Filters must be unit-norm \(norms range 0\.\.0\)"),
+    ],
+)
+def test_bad_filter_values_fail_verify_exactly_as_make_cache(bundle, smollm2, filters, match):
+    t = qfilters_tensors()
+    t["filters"] = filters(t["filters"])
+    rewrite(bundle, "qfilters", st_save(dict(sorted(t.items()))))
+    with pytest.raises(BundleError, match=match):
+        verify_bundle(bundle)
+    model, _ = smollm2
+    with pytest.raises(BundleError, match=match):
+        make_cache(model, KVCacheConfig(method="qfilters", artifact_dir=str(bundle), budget=64))
+
+
+def test_manifest_symlink_out_of_the_bundle(bundle, tmp_path):
+    outside = tmp_path / "elsewhere.json"
+    shutil.copy(bundle / MANIFEST, outside)
+    (bundle / MANIFEST).unlink()
+    (bundle / MANIFEST).symlink_to(outside)
+    with pytest.raises(
+        BundleError, match=r"manifest.json is a symlink to .*elsewhere.json, outside"
+    ):
+        load_bundle(bundle)
+
+
+def test_uncalibrated_with_artifact_dir_is_contradictory(bundle, smollm2):
+    model, _ = smollm2
+    cfg = KVCacheConfig(method="qfilters", budget=64, uncalibrated=True, artifact_dir=str(bundle))
+    with pytest.raises(ValueError, match=r"uncalibrated=True, artifact_dir=.* is contradictory"):
+        make_cache(model, cfg)
+
+
+def test_two_copies_of_one_model_are_one_model(bundle, model_fp, tmp_path):
+    """The path is information only: merging, adding a method and loading across copies at
+    different paths all work; a different digest is still refused, naming the field."""
+    copy = {**model_fp, "path": "/somewhere/else/smollm2"}
+    other = vecinfer_bundle(tmp_path / "vi", copy)
+    out = merge_bundles(tmp_path / "merged", [bundle, other])
+    assert load_bundle(out).methods == ["qfilters", "vecinfer"]
+    vecinfer_bundle(bundle, copy)  # into a bundle made from the other copy
+    assert load_bundle(bundle).methods == ["qfilters", "vecinfer"]
+
+    changed = vecinfer_bundle(tmp_path / "vi2", {**copy, "weights_sha256": "0" * 64})
+    with pytest.raises(
+        BundleError,
+        match=r"calibrated for a different model than .*: weights_sha256 is '\w{16}\.\.\.' vs "
+        r"'0{16}\.\.\.' \(models at /somewhere/else/smollm2 and /somewhere/else/smollm2\)",
+    ):
+        merge_bundles(tmp_path / "bad", [tmp_path / "vi", changed])
+
+
+def test_missing_listed_file(bundle):
+    path = method_path(bundle, "qfilters")
+    path.unlink()
+    with pytest.raises(BundleError, match=rf"{path.name}: file listed in the manifest is missing"):
+        load_bundle(bundle)
+
+
+def test_rerun_cleans_a_killed_writers_debris(bundle, model_fp):
+    """What a SIGKILL leaves (a temp file, a method file no manifest lists) goes on the next
+    write, under the writer lock."""
+    (bundle / ".qfilters-0123456789abcdef.safetensors.x1y2.tmp").write_bytes(b"half")
+    (bundle / ".manifest.json.abcd.tmp").write_bytes(b"{")
+    (bundle / "qfilters-0123456789abcdef.safetensors").write_bytes(b"orphan")
+    write_qf(bundle, model_fp, seed=0)  # same content: nothing to commit, debris still goes
+    assert sorted(p.name for p in bundle.iterdir()) == sorted(
+        [".lock", MANIFEST, method_path(bundle, "qfilters").name]
+    )

@@ -14,6 +14,7 @@ from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant.capture import (
+    CaptureError,
     NAMES,
     capture_activations,
     load_activations,
@@ -346,3 +347,90 @@ def test_unsupported_model_is_rejected():
     with pytest.raises(ValueError, match="layer 1 has no self_attn.rope"):
         with record_attention(model):
             pass
+
+
+# --- every load is verified (issue 10, case 4) ------------------------------------------------
+
+
+def _capture(tmp_path: Path) -> Path:
+    capture_activations(tiny_llama(), random_tokens(2, 16), tmp_path, 24, progress=False)
+    return tmp_path
+
+
+def _poison(capture_dir: Path, name: str, tensor: str, index: tuple) -> None:
+    """Write a NaN into one tensor of a capture file AND fix capture.json's sha256, so the
+    finiteness check, not the checksum, has to catch it."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from veloxquant.io import save_safetensors_atomic
+
+    path = capture_dir / name
+    arrays = load_file(str(path))
+    arrays[tensor][index] = np.nan
+    save_safetensors_atomic(path, arrays, metadata={"format": "veloxquant-capture-v1"})
+    info = json.loads((capture_dir / "capture.json").read_text())
+    info["files"][name] = sha256_file(path)
+    (capture_dir / "capture.json").write_text(json.dumps(info))
+
+
+def test_flipped_byte_in_a_shard_names_the_file(tmp_path):
+    d = _capture(tmp_path)
+    path = d / "layer_01.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        CaptureError,
+        match=r"layer_01.safetensors: sha256 \w{16}\.\.\. does not match capture.json's "
+        r"\w{16}\.\.\.: the file was modified or corrupted. Re-run the capture",
+    ):
+        load_activations(d, 1, ["v"])
+    load_activations(d, 0, ["v"])  # the other shards are fine
+
+
+def test_truncated_shard_names_the_file(tmp_path):
+    d = _capture(tmp_path)
+    path = d / "layer_02.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CaptureError, match=r"layer_02.safetensors: .*truncated"):
+        load_activations(d, 2)
+
+
+def test_missing_shard_names_the_file(tmp_path):
+    d = _capture(tmp_path)
+    (d / "stats.safetensors").unlink()
+    with pytest.raises(CaptureError, match=r"stats.safetensors is listed in capture.json but"):
+        load_stats(d)
+
+
+@pytest.mark.parametrize("tensor", ["k_post", "q_post"])
+def test_nan_in_a_shard_names_layer_tensor_and_file(tmp_path, tensor):
+    d = _capture(tmp_path)
+    _poison(d, "layer_01.safetensors", tensor, (5, 1, 3))
+    with pytest.raises(
+        CaptureError,
+        match=rf"layer_01.safetensors: layer 1 tensor '{tensor}' contains NaN or Inf \(first at "
+        r"index \[5, 1, 3\]",
+    ):
+        load_activations(d, 1, [tensor])
+    assert set(load_activations(d, 1, ["v"])) == {"v"}  # only what is loaded is checked
+
+
+def test_nan_in_stats_names_layer_and_tensor(tmp_path):
+    d = _capture(tmp_path)
+    _poison(d, "stats.safetensors", "k_post.absmax", (2, 0, 7))
+    with pytest.raises(CaptureError, match=r"layer 2 stats tensor 'k_post.absmax' contains NaN"):
+        load_stats(d)
+
+
+def test_edited_capture_json_is_refused(tmp_path):
+    import json
+
+    d = _capture(tmp_path)
+    info = json.loads((d / "capture.json").read_text())
+    del info["files"]
+    (d / "capture.json").write_text(json.dumps(info))
+    with pytest.raises(CaptureError, match=r"field 'files' must map each shard to its sha256"):
+        load_activations(d, 0)

@@ -32,7 +32,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from veloxquant.io import save_safetensors_atomic, sha256_file, write_json_atomic
+from veloxquant.io import (
+    SafetensorsError,
+    parse_safetensors_header,
+    safetensors_views,
+    save_safetensors_atomic,
+    sha256_bytes,
+    sha256_file,
+    write_json_atomic,
+)
 
 NAMES = ("q_post", "k_pre", "k_post", "v")
 STATS = ("absmax", "mean", "sq_mean")
@@ -302,8 +310,16 @@ def capture_activations(
     return summary
 
 
+class CaptureError(ValueError):
+    """A capture dir is incomplete, modified or corrupt; the fix is to re-run the capture."""
+
+
+_RECAPTURE = "Re-run the capture (`dvc repro capture@<model>` or `veloxquant capture`)."
+
+
 def load_capture_info(capture_dir: str | Path) -> dict:
-    """capture.json of a complete capture dir (clear error if the capture never finished)."""
+    """capture.json of a complete capture dir, its fields checked (clear error if the capture
+    never finished or the file was edited)."""
     import json
 
     path = Path(capture_dir) / "capture.json"
@@ -313,19 +329,75 @@ def load_capture_info(capture_dir: str | Path) -> dict:
             "Run the capture stage first (`dvc repro capture` or "
             "`veloxquant capture`)."
         )
-    info = json.loads(path.read_text())
-    if info.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} has format {info.get('format')!r}; expected {FORMAT!r}. "
-            "Re-run the capture stage."
-        )
+    try:
+        info = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CaptureError(f"{path} is not valid json ({e}). {_RECAPTURE}") from e
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        found = info.get("format") if isinstance(info, dict) else type(info).__name__
+        raise CaptureError(f"{path} has format {found!r}; expected {FORMAT!r}. {_RECAPTURE}")
+    for key in ("num_layers", "n_sampled", "tokens_seen"):
+        value = info.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CaptureError(
+                f"{path}: field {key!r} must be an integer >= 0, got {value!r}. {_RECAPTURE}"
+            )
+    files = info.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(v, str) and len(v) == 64 for v in files.values()
+    ):
+        raise CaptureError(f"{path}: field 'files' must map each shard to its sha256. {_RECAPTURE}")
     return info
+
+
+def _read_verified(
+    capture_dir: str | Path, name: str, info: dict, tensors: Sequence[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Tensors (default: all) of one capture file as read-only numpy views, after checking the
+    file against capture.json: listed, present, well-formed safetensors (so a truncated file is
+    named as such), holding the tensors asked for, and its sha256 (over the bytes returned)."""
+    path = Path(capture_dir) / name
+    if name not in info["files"]:
+        raise CaptureError(f"{path} is not listed in capture.json's 'files'. {_RECAPTURE}")
+    try:
+        data = path.read_bytes()  # hash and parse the same bytes
+    except FileNotFoundError:
+        raise CaptureError(f"{path} is listed in capture.json but missing. {_RECAPTURE}") from None
+    try:
+        header = parse_safetensors_header(data, str(path))
+    except SafetensorsError as e:
+        raise CaptureError(f"{e} {_RECAPTURE}") from e
+    digest = sha256_bytes(data)
+    if digest != info["files"][name]:
+        raise CaptureError(
+            f"{path}: sha256 {digest[:16]}... does not match capture.json's "
+            f"{info['files'][name][:16]}...: the file was modified or corrupted. {_RECAPTURE}"
+        )
+    missing = [t for t in tensors or () if t not in header]
+    if missing:
+        raise CaptureError(f"{path} has no tensors {missing}. {_RECAPTURE}")
+    return safetensors_views(data, None if tensors is None else list(tensors))
+
+
+def _as_float32(x: np.ndarray, what: str, path: Path) -> mx.array:
+    """x as an mx float32 array, or an error naming where its first NaN/Inf is."""
+    if not np.isfinite(x).all():
+        index = [int(i) for i in np.argwhere(~np.isfinite(x))[0]]
+        raise CaptureError(
+            f"{path}: {what} contains NaN or Inf (first at index {index} of shape "
+            f"{list(x.shape)}); every calibration would learn from it. {_RECAPTURE}"
+        )
+    return mx.array(x).astype(mx.float32)
 
 
 def load_activations(
     capture_dir: str | Path, layer: int, names: Sequence[str] | None = None
 ) -> dict[str, mx.array]:
-    """Sampled activations of one layer as float32 (positions stay int32)."""
+    """Sampled activations of one layer as float32 (positions stay int32).
+
+    The shard is checked against capture.json's sha256 and every returned tensor for NaN/Inf,
+    here once for every method, each error naming the file, the layer and the tensor.
+    """
     info = load_capture_info(capture_dir)
     if not 0 <= layer < info["num_layers"]:
         raise IndexError(
@@ -337,11 +409,23 @@ def load_activations(
         raise KeyError(
             f"unknown activation names {sorted(unknown)}; known: {list(NAMES) + ['positions']}"
         )
-    data = mx.load(str(Path(capture_dir) / f"layer_{layer:02d}.safetensors"))
-    return {n: data[n] if n == "positions" else data[n].astype(mx.float32) for n in names}
+    name = f"layer_{layer:02d}.safetensors"
+    path = Path(capture_dir) / name
+    data = _read_verified(capture_dir, name, info, names)
+    return {
+        n: mx.array(x) if n == "positions" else _as_float32(x, f"layer {layer} tensor {n!r}", path)
+        for n, x in data.items()
+    }
 
 
 def load_stats(capture_dir: str | Path) -> dict[str, mx.array]:
-    """Exact per-channel stats {name}.{absmax|mean|sq_mean}, float32 [L, H, D]."""
-    load_capture_info(capture_dir)
-    return mx.load(str(Path(capture_dir) / "stats.safetensors"))
+    """Exact per-channel stats {name}.{absmax|mean|sq_mean}, float32 [L, H, D], checked like
+    the shards (sha256, finiteness: an error names the layer and the tensor)."""
+    info = load_capture_info(capture_dir)
+    path = Path(capture_dir) / "stats.safetensors"
+    out = {}
+    for key, x in _read_verified(capture_dir, path.name, info).items():
+        bad = np.argwhere(~np.isfinite(x))  # stats are small, [L, H, D]: axis 0 is the layer
+        what = f"layer {int(bad[0][0])} stats tensor {key!r}" if len(bad) else key
+        out[key] = _as_float32(x, what, path)
+    return out

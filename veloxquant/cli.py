@@ -214,8 +214,7 @@ def render_bundle(bundle) -> str:
     m = bundle.manifest
     fp = m["model"]
     lines = [
-        f"bundle {bundle.path}  ({m['format']} v{m['format_version']}, "
-        f"updated {m.get('created_at')})",
+        f"bundle {bundle.path}  ({m['format']} v{m['format_version']})",
         f"model  {fp.get('model_type')} {fp.get('path')}",
         f"       layers={fp.get('num_layers')} heads={fp.get('num_heads')} "
         f"kv_heads={fp.get('num_kv_heads')} head_dim={fp.get('head_dim')} "
@@ -229,7 +228,7 @@ def render_bundle(bundle) -> str:
         total += e["size"]
         lines.append(
             f"method {name}: {e['file']} {_human(e['size'])} sha256={e['sha256'][:12]} "
-            f"capture={e.get('capture_point')} created {e.get('created_at')}"
+            f"capture={e.get('capture_point')}"
         )
         lines.append(f"  hyperparameters: {json.dumps(e.get('hyperparameters'), sort_keys=True)}")
         for t, info in e.get("tensors", {}).items():

@@ -353,7 +353,16 @@ def data_fingerprint(data_json_path: str | Path, split: str) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found. Run `dvc repro prepare_data` first.")
     info = json.loads(path.read_text())
-    part = info[split]
+    part = info.get(split) if isinstance(info, dict) else None
+    if (
+        not isinstance(part, dict)
+        or any(k not in info for k in ("source", "seq_len"))
+        or any(k not in part for k in ("n_tokens", "sha256"))
+    ):
+        raise ValueError(
+            f"{path} is not a data.json written by prepare-data: it needs 'source', 'seq_len' "
+            f"and '{split}' with 'n_tokens' and 'sha256'. Re-run `dvc repro prepare_data`."
+        )
     return {
         "source": info["source"],
         "split": split,

@@ -1,8 +1,16 @@
-"""Files: atomic and deterministic writes, checksums, canonical json, directory swaps, writer
-locks, and a safetensors header reader that never unpickles.
+"""Files: atomic and deterministic writes, checksums, canonical json, writer locks, and a
+safetensors header reader that never unpickles.
 
-Every artifact goes to a temporary name in the destination directory and is then renamed, so an
-interrupted run never leaves a half-written file behind.
+Every artifact goes to a temporary name in the destination directory, is fsynced, renamed onto
+its name, and the directory is fsynced: an interrupted run never leaves a half-written file
+under a real name, and a completed rename survives a power cut.
+
+Fault injection (tests/test_faults.py): every fsync, rename and unlink a crash-safe write relies
+on goes through `fsync_file`, `fsync_dir`, `rename` and `unlink` below, each one a numbered
+durability point. With VELOXQUANT_FAULT_AT=N the process dies with os._exit(FAULT_EXIT_CODE)
+just before its Nth point, where a SIGKILL or a power cut could land (no `finally` runs, no
+buffers are flushed); VELOXQUANT_FAULT_LOG=FILE appends one "N kind path" line per point, so a
+test can enumerate them first. Unset, each point costs two environment lookups.
 """
 
 from __future__ import annotations
@@ -12,12 +20,11 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import struct
 import tempfile
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 from safetensors.numpy import save as _st_save_bytes
@@ -26,10 +33,59 @@ from safetensors.numpy import save as _st_save_bytes
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
+FAULT_AT_ENV = "VELOXQUANT_FAULT_AT"
+FAULT_LOG_ENV = "VELOXQUANT_FAULT_LOG"
+FAULT_EXIT_CODE = 137  # what a shell reports for a SIGKILLed process
+_durability_points = 0
+
+
+def _durability_point(kind: str, path: str | os.PathLike) -> None:
+    global _durability_points
+    at, log = os.environ.get(FAULT_AT_ENV), os.environ.get(FAULT_LOG_ENV)
+    if at is None and log is None:
+        return
+    _durability_points += 1
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{_durability_points} {kind} {path}\n")
+    if at is not None and _durability_points == int(at):
+        os._exit(FAULT_EXIT_CODE)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    _durability_point("fsync", path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make renames and unlinks in `path` durable (a rename lives in the directory's data)."""
+    _durability_point("fsync", path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rename(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """os.replace: atomic on POSIX within one filesystem, also over an existing file."""
+    _durability_point("rename", dst)
+    os.replace(src, dst)
+
+
+def unlink(path: str | os.PathLike) -> None:
+    _durability_point("unlink", path)
+    Path(path).unlink(missing_ok=True)
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path next to `path`; rename it onto `path` only if the block succeeds."""
+    """Yield a temp path next to `path`; make it `path` only if the block succeeds.
+
+    The temp file is fsynced before the rename and the directory after it, so once this
+    returns, `path` holds the complete new bytes even after a crash; before, the old ones.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -38,9 +94,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are shared and shipped
     try:
         yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        fsync_file(tmp)
+        rename(tmp, path)
+        fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -51,24 +107,32 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def json_bytes(obj: Any) -> bytes:
+    """The one json layout of every artifact: indented, sorted keys, trailing newline."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(path, json_bytes(obj))
 
 
-def save_safetensors_atomic(
-    path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, str] | None = None
-) -> None:
-    """Save numpy/mlx arrays as safetensors, atomically and byte-deterministically.
+def safetensors_bytes(tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> bytes:
+    """numpy/mlx arrays as safetensors bytes, byte-deterministically.
 
     Keys are sorted and metadata is plain strings, so equal inputs give equal bytes.
     At most one metadata key: safetensors writes several in hash-map (random) order.
     """
     if metadata is not None and len(metadata) > 1:
-        raise ValueError(
-            "save_safetensors_atomic takes at most one metadata key (byte determinism)"
-        )
+        raise ValueError("safetensors_bytes takes at most one metadata key (byte determinism)")
     arrays = {k: to_numpy(v) for k, v in sorted(tensors.items())}
-    write_bytes_atomic(path, _st_save_bytes(arrays, metadata=metadata))
+    return _st_save_bytes(arrays, metadata=metadata)
+
+
+def save_safetensors_atomic(
+    path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, str] | None = None
+) -> None:
+    """Save numpy/mlx arrays as safetensors, atomically and byte-deterministically."""
+    write_bytes_atomic(path, safetensors_bytes(tensors, metadata))
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -126,26 +190,6 @@ def canonical_json(obj: Any) -> bytes:
 
 # ----------------------------------------------------------------------------------------------
 # Directories
-
-
-def replace_dir_atomically(dest: Path, fill: Callable[[Path], None]) -> None:
-    """Build a dir under a temp name via fill(tmp), then swap it in for `dest`."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; bundles are shared and shipped
-    old = None
-    try:
-        fill(tmp)
-        if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
-            os.rmdir(old)
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        if old is not None and old.exists():
-            shutil.rmtree(old)
 
 
 @contextlib.contextmanager
@@ -246,4 +290,23 @@ def parse_safetensors_header(data: bytes, where: str) -> dict[str, tuple[tuple[i
         pos = end
     if pos != body:
         raise SafetensorsError(f"{where}: {body - pos} trailing bytes after the tensor data.")
+    return out
+
+
+def safetensors_views(data: bytes, names: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Read-only numpy views (no copy) of the named tensors (default: all) of a safetensors blob
+    that `parse_safetensors_header` has validated."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header.pop("__metadata__", None)
+    out = {}
+    for name in header if names is None else names:
+        info = header[name]
+        if info["dtype"] == "BF16":
+            raise SafetensorsError(f"tensor {name!r} is bfloat16, which numpy cannot view.")
+        dtype = np.dtype(_ST_DTYPES[info["dtype"]]).newbyteorder("<")
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        view = np.frombuffer(data, dtype=dtype, count=count, offset=8 + n + start)
+        out[name] = view.reshape(info["shape"])
     return out

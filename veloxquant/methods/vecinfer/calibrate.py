@@ -124,16 +124,25 @@ def check_artifact(artifact: Artifact, dims: ModelDims) -> None:
             raise ValueError(f"vecinfer {name} scales must be > 0 (a scale of 0 divides by 0)")
 
 
+# The held-out diagnostics (reconstruction error, cosine) are means over this many tokens at
+# least; fewer would make them noise (the same floor as Q-Filters' held-out split).
+MIN_HELDOUT_TOKENS = 16
+
+
 def min_tokens(dims: ModelDims, hp: dict[str, Any]) -> int:
     """The fewest captured tokens whose training part gives every codebook at least as many
-    sub-vectors as it has centroids (after holding out `heldout_fraction`)."""
+    sub-vectors as it has centroids, with at least MIN_HELDOUT_TOKENS held out
+    (`heldout_fraction`) for the diagnostics."""
     per_group = 1 if hp["share"] == "head" else dims.H_kv
     need = 0
     for side in ("key", "value"):
         n_sub = dims.D // int(hp[f"{side}_sub_dim"])
         need = max(need, math.ceil(2 ** int(hp[f"{side}_bits"]) / (n_sub * per_group)))
     n = need + 1
-    while n - _n_heldout(n, hp["heldout_fraction"]) < need:
+    while (
+        n - _n_heldout(n, hp["heldout_fraction"]) < need
+        or _n_heldout(n, hp["heldout_fraction"]) < MIN_HELDOUT_TOKENS
+    ):
         n += 1
     return n
 
