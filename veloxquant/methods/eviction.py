@@ -37,8 +37,11 @@ How it runs (DESIGN.md section 7):
 - Evicted tokens are really gone: the arrays are gathered down to the kept tokens, so `nbytes`
   is what is resident. `offset` stays the absolute position used for RoPE; kept keys keep
   their RoPE phase.
-- No `bits` attribute, `to_quantized` refuses, `merge` refuses (no silent batching), trimming is
-  refused (evicted tokens cannot be restored).
+- No `bits` attribute; `to_quantized` raises (so mlx-lm's `kv_bits=` cannot swap in an
+  uncompressed-then-quantized cache); trimming is refused (evicted tokens cannot be restored).
+- Batching: `merge` builds a `veloxquant.batch.BatchedCache`, which keeps one of these caches per
+  sequence (each sequence evicts its own tokens), so batched generation gives each sequence
+  exactly the tokens it would get alone.
 - The classes are registered in `mlx_lm.models.cache` (veloxquant/methods/__init__.py) so
   `save_prompt_cache` / `load_prompt_cache` round-trip.
 """
@@ -214,16 +217,16 @@ class EvictionCache(_BaseCache):
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         raise NotImplementedError(
-            f"{type(self).__name__} cannot be converted to a QuantizedKVCache; do not pass "
-            "kv_bits to mlx_lm.generate together with an eviction cache."
+            f"{type(self).__name__} cannot be converted to a QuantizedKVCache: kv_bits= "
+            "(mlx_lm generate/server --kv-bits) would replace this compressed cache. Drop "
+            "kv_bits, or use KVCacheConfig(method='quantized', bits=...) instead."
         )
 
     @classmethod
     def merge(cls, caches: list) -> Any:
-        raise NotImplementedError(
-            f"{cls.__name__} does not support batched generation (each sequence evicts "
-            "different tokens); generate one sequence at a time."
-        )
+        from veloxquant.batch import BatchedCache
+
+        return BatchedCache.merge(caches)
 
     # -- prompt-cache state: arrays by name, scalars in meta_state (methods/base.py) ----------
 
