@@ -30,7 +30,7 @@ def get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def chat(url: str, messages: list[dict], max_tokens: int = 16) -> dict:
+def chat(url: str, messages: list[dict], max_tokens: int = 10) -> dict:
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0})
     req = urllib.request.Request(
         url + "/v1/chat/completions", body.encode(), {"Content-Type": "application/json"}
@@ -59,7 +59,7 @@ def server(artifacts_root, eval_text, smollm2):
         "--port",
         str(port),
         "--max-tokens",
-        "16",
+        "10",
     ]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
@@ -77,7 +77,7 @@ def server(artifacts_root, eval_text, smollm2):
             time.sleep(0.3)
         # a system prompt long enough that most of it is coded at 2 bits
         _, tok = smollm2
-        system = "Read this, then answer briefly.\n" + tok.decode(tok.encode(eval_text)[:300])
+        system = "Read this, then answer briefly.\n" + tok.decode(tok.encode(eval_text)[:200])
         yield {"url": url, "log": log, "system": system}
     finally:
         proc.terminate()
@@ -108,11 +108,11 @@ def test_follow_up_reuses_the_prompt_cache_and_kv_is_compressed(server):
     r = chat(url, follow)
     assert r["choices"][0]["message"]["content"].strip()
     cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached > 300, r["usage"]  # the system prompt and the first exchange came from cache
+    assert cached > 200, r["usage"]  # the system prompt and the first exchange came from cache
 
     stats = get(url + "/veloxquant/stats")
     last = stats["last_entry"]
-    assert last["classes"] == "VecInferCache x30" and last["tokens"] > 330
+    assert last["classes"] == "VecInferCache x30" and last["tokens"] > 230
     # 2-bit codes plus the 48-token fp16 window, sinks and codebooks, against float32 K/V
     assert last["kv_bytes"] < 0.3 * last["uncompressed_kv_bytes"], last
     assert stats["prompt_cache"]["kv_bytes"] > 0

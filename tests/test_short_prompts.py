@@ -14,7 +14,7 @@ from veloxquant import KVCacheConfig, make_cache
 from veloxquant.methods import METHODS
 
 EVICTION = [name for name, m in METHODS.items() if "budget" in m.fields]
-NEW_TOKENS = 12  # a <= 32-token prompt plus these stays under the default 64-token floor
+NEW_TOKENS = 8  # a <= 32-token prompt plus these stays under the default 64-token floor
 
 
 def greedy(model, prompt: list[int], caches: list) -> list[int]:
