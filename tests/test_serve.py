@@ -117,3 +117,31 @@ def test_follow_up_reuses_the_prompt_cache_and_kv_is_compressed(server):
     assert last["kv_bytes"] < 0.3 * last["uncompressed_kv_bytes"], last
     assert stats["prompt_cache"]["kv_bytes"] > 0
     assert "MB resident" in server["log"].read_text()
+
+
+def test_refusals_happen_at_startup(artifacts_root):
+    """--kv-bits (would swap our caches mid-stream) and --draft-model (rewinds caches) stop the
+    server when it loads the model, before it listens."""
+    import argparse
+
+    import veloxquant  # noqa: F401
+    from veloxquant import KVCacheConfig
+    from veloxquant.serve import make_model_provider
+
+    art = artifacts_root / "artifacts" / "smollm2-135m"
+    args = argparse.Namespace(
+        model=str(art / "model"),
+        adapter_path=None,
+        draft_model=None,
+        trust_remote_code=False,
+        chat_template="",
+        use_default_chat_template=False,
+        pipeline=False,
+        kv_bits=4,
+    )
+    config = KVCacheConfig(method="vecinfer", artifact_dir=str(art / "bundle"))
+    with pytest.raises(ValueError, match="kv_bits=4"):
+        make_model_provider(args, config).load_default()
+    args.kv_bits, args.draft_model = None, str(art / "model")
+    with pytest.raises(ValueError, match="--draft-model"):
+        make_model_provider(args, config).load_default()

@@ -372,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(see `mlx_lm.server --help`): --host, --port, --max-tokens, --temp, "
         "--prompt-cache-size, --decode-concurrency, --log-level ... GET /veloxquant/stats "
         "returns the resident KV bytes of the prompt cache.",
+        allow_abbrev=False,  # a flag of mlx_lm.server's must never match one of ours by prefix
     )
     s.add_argument("model_dir", help="model dir (mlx-lm layout)")
     add_cache_args(s, required_method=True)
