@@ -229,13 +229,10 @@ def capture_dir(calib_dir):
 
 
 @pytest.fixture(scope="module")
-def bundle_dir(calib_dir, smollm2_dir, tmp_path_factory):
-    """What the qfilters stage does: calibrate on the capture, write the bundle."""
-    from veloxquant.calibrate import calibrate
-
-    out = tmp_path_factory.mktemp("bundle")
-    calibrate("qfilters", calib_dir / "activations", smollm2_dir, out, progress=False)
-    return out
+def bundle_dir(artifacts_root):
+    """What the qfilters stage does: calibrate on the capture (default hyperparameters), write
+    the bundle; conftest's artifacts_root does exactly that, shared with the serving tests."""
+    return artifacts_root / "artifacts" / "smollm2-135m" / "bundle"
 
 
 @pytest.fixture(scope="module")

@@ -37,10 +37,9 @@ def prompts(smollm2) -> list[list[int]]:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Explain Python decorators."},
     ]
-    out = [tok.apply_chat_template(chat, add_generation_prompt=True)]
-    out.append(tok.encode("The capital of France is"))
+    out = [tok.apply_chat_template(chat, add_generation_prompt=True)]  # 22 tokens
     assert all(len(p) <= 32 for p in out), [len(p) for p in out]
-    return out
+    return out  # the README test runs another short prompt (qfilters at 25%) against fp16
 
 
 @pytest.fixture(scope="module")
