@@ -2,13 +2,7 @@
 
 from pipeline._common import artifacts, model_key_arg
 from veloxquant.data import load_tokens
-from veloxquant.evaluate import (
-    evaluate_rows,
-    is_calibrated,
-    plot_quality_vs_bits,
-    write_csv,
-    write_metrics,
-)
+from veloxquant.evaluate import evaluate_rows, is_calibrated, write_outputs
 from veloxquant.model_import import load_model
 
 
@@ -25,10 +19,7 @@ def main() -> None:
                 str(artifacts(key) / r["artifact_dir"]) if r.get("artifact_dir") else bundle
             )
     results = evaluate_rows(model, windows, rows, prefill=e["prefill"], chunk=e["chunk"])
-    out = artifacts(key)
-    write_metrics(results, out / "metrics.json")
-    write_csv(results, out / "eval.csv")
-    plot_quality_vs_bits(results, out / "eval.png")
+    write_outputs(results, artifacts(key))
 
 
 if __name__ == "__main__":

@@ -74,3 +74,30 @@ def calib_dir(smollm2, tmp_path_factory) -> Path:
         model, ids, root / "activations", token_budget=ids.size, seed=0, progress=False
     )
     return root
+
+
+# The methods the README examples, the serving tests and test_qfilters use, calibrated for real
+# on the real capture; Q-Filters with its defaults (as its stage does), VecInfer's k-means on a
+# tiny budget.
+SMALL_CALIBRATION = {"qfilters": {}, "vecinfer": {"iters": 1, "max_vectors": 1024}}
+
+
+@pytest.fixture(scope="session")
+def artifacts_root(smollm2_dir, calib_dir, tmp_path_factory) -> Path:
+    """A dir laid out like the repo root after `dvc repro`, for the README examples and the
+    serving tests: artifacts/smollm2-135m/{model, data, activations, bundle}. The model dir
+    links the real model's files (so a bundle can be exported into it without touching the
+    original); the bundle holds SMALL_CALIBRATION's methods, calibrated on `calib_dir`."""
+    from veloxquant.calibrate import calibrate
+
+    root = tmp_path_factory.mktemp("repo")
+    art = root / "artifacts" / "smollm2-135m"
+    (art / "model").mkdir(parents=True)
+    for f in Path(smollm2_dir).iterdir():
+        if f.is_file():
+            (art / "model" / f.name).symlink_to(f.resolve())
+    (art / "data").symlink_to(calib_dir / "data")
+    (art / "activations").symlink_to(calib_dir / "activations")
+    for method, hp in SMALL_CALIBRATION.items():
+        calibrate(method, art / "activations", art / "model", art / "bundle", progress=False, **hp)
+    return root

@@ -112,10 +112,27 @@ def test_dvc_repro_end_to_end(repo):
         "activations/capture.json",
         "bundle/manifest.json",
         "metrics.json",
+        "metrics/fp16.json",
         "eval.csv",
+        "eval_budget.csv",
         "eval.png",
     ):
         assert (a / rel).is_file(), f"missing {rel}\n{log[-3000:]}"
+
+    # `dvc metrics show`: one line per cache configuration; `dvc plots show`: both x/y plots.
+    shown = json.loads(_run([_dvc(), "metrics", "show", "--json"], repo).strip().splitlines()[-1])
+    per_row = next(iter(shown.values()))["data"]  # the workspace
+    assert f"artifacts/{MODEL}/metrics/qfilters-25%.json" in per_row, sorted(per_row)
+    assert set(per_row[f"artifacts/{MODEL}/metrics/fp16.json"]["data"]) >= {"ppl_ratio", "kl"}
+    plots = json.loads(_run([_dvc(), "plots", "show", "--json"], repo).strip().splitlines()[-1])
+    for name, (x, y) in {
+        "eval.csv": ("kv_bits_per_element", "ppl_ratio"),
+        "eval_budget.csv": ("budget", "kl"),
+    }.items():
+        (plot,) = plots["data"][f"artifacts/{MODEL}/{name}"]
+        enc = plot["content"]["encoding"]
+        assert (enc["x"]["field"], enc["y"]["field"], enc["color"]["field"]) == (x, y, "series")
+        assert plot["content"]["data"]["values"], name
 
     metrics = json.loads((a / "metrics.json").read_text())
     assert metrics["fp16"]["kl"] == 0.0 and metrics["fp16"]["top1"] == 1.0

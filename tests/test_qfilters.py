@@ -99,7 +99,7 @@ def test_knorm_keeps_lowest_norm_and_streamingllm_the_most_recent():
 
 
 def test_fraction_budget_grows_with_offset():
-    cache = KNormCache(0.25)
+    cache = KNormCache(0.25, min_budget=0)  # the bare fraction, without the short-prompt floor
     rng = np.random.default_rng(2)
     for total in (64, 128, 192, 256):
         cache.update_and_fetch(
@@ -108,6 +108,18 @@ def test_fraction_budget_grows_with_offset():
         assert cache.offset == total
         assert cache.size() == total // 4
     assert cache.nbytes == 2 * H * 64 * D * 4
+
+
+def test_fraction_budget_never_goes_below_min_budget():
+    cache = KNormCache(0.25)  # default floor: 64 tokens
+    rng = np.random.default_rng(2)
+    sizes = []
+    for _ in range(6):
+        cache.update_and_fetch(
+            mx.array(rng.standard_normal((1, H, 64, D)), mx.float32), mx.zeros((1, H, 64, D))
+        )
+        sizes.append(cache.size())
+    assert sizes == [64, 64, 64, 64, 80, 96]  # max(64, ceil(0.25 * offset))
 
 
 @pytest.mark.parametrize(
@@ -217,13 +229,10 @@ def capture_dir(calib_dir):
 
 
 @pytest.fixture(scope="module")
-def bundle_dir(calib_dir, smollm2_dir, tmp_path_factory):
-    """What the qfilters stage does: calibrate on the capture, write the bundle."""
-    from veloxquant.calibrate import calibrate
-
-    out = tmp_path_factory.mktemp("bundle")
-    calibrate("qfilters", calib_dir / "activations", smollm2_dir, out, progress=False)
-    return out
+def bundle_dir(artifacts_root):
+    """What the qfilters stage does: calibrate on the capture (default hyperparameters), write
+    the bundle; conftest's artifacts_root does exactly that, shared with the serving tests."""
+    return artifacts_root / "artifacts" / "smollm2-135m" / "bundle"
 
 
 @pytest.fixture(scope="module")

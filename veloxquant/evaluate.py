@@ -17,6 +17,17 @@ DESIGN.md sections 7 and 9 ("honest numbers only"). For every held-out window an
 
 Rows are plain dicts `{"name": ..., **KVCacheConfig fields}`; a row may instead carry
 `"make": callable(model) -> list of caches` (any mlx-lm-compatible caches).
+
+Outputs (`write_outputs`, what the DVC evaluate stage writes), all deterministic so a re-run
+with the same inputs gives the same bytes:
+- `metrics/<row>.json`: the DVC metrics, one small file per row (ROW_METRIC_KEYS), so
+  `dvc metrics show` prints one line per cache configuration;
+- `metrics.json`: every row's METRIC_KEYS in one file, for programs;
+- `eval.csv`: every result field, one row per configuration, plus its plot `series`;
+- `eval_budget.csv`: the rows with a fractional eviction budget (series, budget, kl, ...);
+- `eval.png`: the matplotlib quality-vs-bits figure.
+dvc.yaml declares the two CSVs as plots (ppl ratio vs bits, KL vs budget, one colour per
+series, template .dvc/plots/veloxquant_series.json).
 """
 
 from __future__ import annotations
@@ -53,6 +64,9 @@ METRIC_KEYS = (
     "kv_bytes",
     "kv_bits_per_element",
 )
+# The per-row DVC metrics files: what a reader compares across rows and experiments.
+ROW_METRIC_KEYS = ("ppl", "ppl_ratio", "kl", "top1", "kv_bits_per_element", "kv_bytes")
+_ROW_FILE = re.compile(r"[A-Za-z0-9_.%+=-]+")
 
 
 def _row_builder(row: dict) -> tuple[str, dict, Callable[[Any], list]]:
@@ -255,29 +269,99 @@ def _add(acc: _Sums, nll: float, kl: float, agree: float, n: int, after_prefill:
 # --------------------------------------------------------------------------- outputs
 
 
+def write_outputs(results: list[dict], out_dir: str | Path) -> None:
+    """Everything the evaluate stage writes (see the module docstring) into `out_dir`."""
+    out = Path(out_dir)
+    write_row_metrics(results, out / "metrics")
+    write_metrics(results, out / "metrics.json")
+    write_csv(results, out / "eval.csv")
+    write_budget_csv(results, out / "eval_budget.csv")
+    plot_quality_vs_bits(results, out / "eval.png")
+
+
 def write_metrics(results: list[dict], path_json: str | Path) -> dict:
-    """DVC metrics JSON `{row_name: {ppl, kl, top1, kv_bytes, kv_bits_per_element, ...}}`."""
+    """Metrics JSON `{row_name: {ppl, kl, top1, kv_bytes, kv_bits_per_element, ...}}`."""
     metrics = {r["name"]: {k: r[k] for k in METRIC_KEYS if k in r} for r in results}
     write_json_atomic(path_json, metrics)
     return metrics
 
 
-def write_csv(results: list[dict], path_csv: str | Path) -> None:
-    """Every result field, one row per configuration (dicts such as `options` as JSON)."""
-    columns: list[str] = []
+def write_row_metrics(results: list[dict], metrics_dir: str | Path) -> None:
+    """One `<row>.json` of ROW_METRIC_KEYS per row, the dir replaced as a whole (no stale rows).
+    `dvc metrics show` then prints a line per row instead of one line of every row's keys."""
+    from veloxquant.io import replace_dir_atomically
+
     for r in results:
+        if not _ROW_FILE.fullmatch(r["name"]):
+            raise ValueError(
+                f"Row name {r['name']!r} is also a metrics file name: use letters, digits and "
+                "._%+=- only."
+            )
+
+    def fill(tmp: Path) -> None:
+        for r in results:
+            write_json_atomic(tmp / f"{r['name']}.json", {k: r[k] for k in ROW_METRIC_KEYS})
+
+    replace_dir_atomically(Path(metrics_dir), fill)
+
+
+def _csv_bytes(rows: list[dict]) -> bytes:
+    columns: list[str] = []
+    for r in rows:
         columns += [k for k in r if k not in columns]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
-    for r in results:
+    for r in rows:
         writer.writerow(
             {
                 k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
                 for k, v in r.items()
             }
         )
-    write_bytes_atomic(path_csv, buf.getvalue().encode())
+    return buf.getvalue().encode()
+
+
+def write_csv(results: list[dict], path_csv: str | Path) -> None:
+    """Every result field, one row per configuration (dicts such as `options` as JSON), and the
+    row's plot series (`dvc plots` colours by it)."""
+    write_bytes_atomic(path_csv, _csv_bytes([{**r, "series": _plot_series(r)} for r in results]))
+
+
+def write_budget_csv(results: list[dict], path_csv: str | Path) -> None:
+    """The rows with a fractional eviction budget, for `dvc plots` (KL vs budget)."""
+    keys = ("name", "series", "budget", "kl", "ppl_ratio", "top1", "kv_bits_per_element")
+    rows = [
+        {k: _plot_series(r) if k == "series" else r[k] for k in keys}
+        for r in results
+        if isinstance(r.get("budget"), float) and 0 < r["budget"] < 1
+    ]
+    write_bytes_atomic(path_csv, _csv_bytes(rows) if rows else (",".join(keys) + "\n").encode())
+
+
+def read_csv(path_csv: str | Path) -> list[dict]:
+    """Results back from an `eval.csv` (`write_csv`), typed as `evaluate_rows` returns them, so
+    the outputs can be re-rendered without re-evaluating."""
+    with open(path_csv, newline="") as f:
+        table = list(csv.DictReader(f))
+    return [{k: _typed(k, v) for k, v in row.items() if k != "series"} for row in table]
+
+
+def _typed(key: str, text: str) -> Any:
+    if text == "":
+        return None
+    if key in ("name", "method", "artifact_dir"):
+        return text
+    if text in ("True", "False"):
+        return text == "True"
+    if text.startswith(("{", "[")):
+        return json.loads(text)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _plot_series(result: dict) -> str:

@@ -6,10 +6,17 @@
   Compression", arXiv 2406.11430): keep the tokens whose key has the lowest L2 norm.
 - Q-Filters (veloxquant/methods/qfilters.py) scores keys by +<k_post, f> with the same cache.
 
-Knobs (KVCacheConfig fields):
-- budget: tokens kept per layer and KV head. An int >= 1 is a fixed count; a float in (0, 1) is a
-  fraction of the tokens seen so far, so the kept count grows with `offset` (ceil(budget*offset)).
-  A fraction budget never goes below sinks + window: those tokens are protected.
+Knobs (KVCacheConfig fields, and one option):
+- budget: tokens kept per layer and KV head. An int >= 1 is a fixed count: nothing is evicted
+  before the cache holds more than that many tokens. A float in (0, 1) is a fraction of the
+  tokens seen so far, so the kept count grows with `offset`: max(ceil(budget * offset),
+  min_budget, sinks + window).
+- options={"min_budget": 64}: the floor of a fractional budget, in tokens. Without it a short
+  prompt would be cut to a quarter of its 20 tokens before the first answer token, and the
+  answer turns to gibberish. With it, a prompt plus answer that fits in min_budget tokens is
+  never evicted (attention sees what an fp16 cache holds), and long contexts see the
+  fraction. The default 64 is at most the fraction of a 512-token prefill at any budget
+  >= 0.125, so it changes nothing once a context is long enough for the fraction to matter.
 - sinks:  protected first tokens (default min(4, B // 4)).
 - window: protected most recent tokens (default 3/4 of B), as the Q-Filters paper's cache keeps
   a recent window. B is the current budget in tokens. An int budget smaller than
@@ -30,10 +37,13 @@ How it runs (DESIGN.md section 7):
 - Evicted tokens are really gone: the arrays are gathered down to the kept tokens, so `nbytes`
   is what is resident. `offset` stays the absolute position used for RoPE; kept keys keep
   their RoPE phase.
-- No `bits` attribute, `to_quantized` refuses, `merge` refuses (no silent batching), trimming is
-  refused (evicted tokens cannot be restored). The classes are registered in
-  `mlx_lm.models.cache` (veloxquant/methods/__init__.py) so `save_prompt_cache` /
-  `load_prompt_cache` round-trip.
+- No `bits` attribute; `to_quantized` raises (so mlx-lm's `kv_bits=` cannot swap in an
+  uncompressed-then-quantized cache); trimming is refused (evicted tokens cannot be restored).
+- Batching: `merge` builds a `veloxquant.batch.BatchedCache`, which keeps one of these caches per
+  sequence (each sequence evicts its own tokens), so batched generation gives each sequence
+  exactly the tokens it would get alone.
+- The classes are registered in `mlx_lm.models.cache` (veloxquant/methods/__init__.py) so
+  `save_prompt_cache` / `load_prompt_cache` round-trip.
 """
 
 from __future__ import annotations
@@ -49,6 +59,8 @@ from veloxquant.methods.base import Artifact, Method, pack_state, unpack_state
 
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW_FRACTION = 0.75
+DEFAULT_MIN_BUDGET = 64
+OPTIONS = {"min_budget": DEFAULT_MIN_BUDGET}
 
 
 def check_budget(budget: Any) -> int | float:
@@ -73,6 +85,16 @@ def check_budget(budget: Any) -> int | float:
     )
 
 
+def check_min_budget(min_budget: Any) -> int:
+    if (
+        isinstance(min_budget, bool)
+        or not isinstance(min_budget, numbers.Integral)
+        or min_budget < 0
+    ):
+        raise ValueError(f"min_budget must be an integer >= 0 (tokens), got {min_budget!r}.")
+    return int(min_budget)
+
+
 def default_sinks(budget_tokens: int) -> int:
     return min(DEFAULT_SINKS, budget_tokens // 4)
 
@@ -87,11 +109,18 @@ class EvictionCache(_BaseCache):
     Subclasses define `score(keys) -> float32 [B, H, S]` (higher = keep).
     """
 
-    def __init__(self, budget: int | float, sinks: int | None = None, window: int | None = None):
+    def __init__(
+        self,
+        budget: int | float,
+        sinks: int | None = None,
+        window: int | None = None,
+        min_budget: int = DEFAULT_MIN_BUDGET,
+    ):
         self.keys = None
         self.values = None
         self.offset = 0
         self.budget = check_budget(budget)
+        self.min_budget = check_min_budget(min_budget)
         for name, v in (("sinks", sinks), ("window", window)):
             if v is not None and (
                 isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0
@@ -121,7 +150,7 @@ class EvictionCache(_BaseCache):
         """Tokens kept after the current eviction (before sinks/window flooring)."""
         if isinstance(self.budget, int):
             return self.budget
-        return max(1, math.ceil(self.budget * self.offset))
+        return max(1, self.min_budget, math.ceil(self.budget * self.offset))
 
     def _evict(self) -> None:
         n = self.keys.shape[2]
@@ -188,16 +217,16 @@ class EvictionCache(_BaseCache):
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         raise NotImplementedError(
-            f"{type(self).__name__} cannot be converted to a QuantizedKVCache; do not pass "
-            "kv_bits to mlx_lm.generate together with an eviction cache."
+            f"{type(self).__name__} cannot be converted to a QuantizedKVCache: kv_bits= "
+            "(mlx_lm generate/server --kv-bits) would replace this compressed cache. Drop "
+            "kv_bits, or use KVCacheConfig(method='quantized', bits=...) instead."
         )
 
     @classmethod
     def merge(cls, caches: list) -> Any:
-        raise NotImplementedError(
-            f"{cls.__name__} does not support batched generation (each sequence evicts "
-            "different tokens); generate one sequence at a time."
-        )
+        from veloxquant.batch import BatchedCache
+
+        return BatchedCache.merge(caches)
 
     # -- prompt-cache state: arrays by name, scalars in meta_state (methods/base.py) ----------
 
@@ -211,6 +240,7 @@ class EvictionCache(_BaseCache):
             "budget": str(self.budget),
             "sinks": self.sinks,
             "window": self.window,
+            "min_budget": self.min_budget,
         }
 
     def restore(self, arrays: dict, meta: dict) -> None:
@@ -221,6 +251,8 @@ class EvictionCache(_BaseCache):
         self.budget = check_budget(int(budget) if budget.isdigit() else float(budget))
         self.sinks = None if meta["sinks"] is None else int(meta["sinks"])
         self.window = None if meta["window"] is None else int(meta["window"])
+        # prompt caches saved before min_budget existed evicted without a floor
+        self.min_budget = int(meta.get("min_budget", 0))
 
     @property
     def state(self) -> dict:
@@ -247,12 +279,29 @@ class KNormCache(EvictionCache):
         return -mx.sqrt(mx.sum(k * k, axis=-1))
 
 
+def min_budget_option(config: Any) -> int:
+    """options["min_budget"], which only a fractional budget reads (never silently ignored)."""
+    if "min_budget" in config.options and isinstance(check_budget(config.budget), int):
+        raise ValueError(
+            f"options={{'min_budget': ...}} is the floor of a fractional budget; "
+            f"budget={config.budget} is already a token count. Drop min_budget."
+        )
+    return check_min_budget(config.options.get("min_budget", DEFAULT_MIN_BUDGET))
+
+
 def make_streamingllm_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
-    return [StreamingLLMCache(config.budget, config.sinks, config.window) for _ in model.layers]
+    min_budget = min_budget_option(config)
+    return [
+        StreamingLLMCache(config.budget, config.sinks, config.window, min_budget)
+        for _ in model.layers
+    ]
 
 
 def make_knorm_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
-    return [KNormCache(config.budget, config.sinks, config.window) for _ in model.layers]
+    min_budget = min_budget_option(config)
+    return [
+        KNormCache(config.budget, config.sinks, config.window, min_budget) for _ in model.layers
+    ]
 
 
 STREAMINGLLM = Method(
@@ -260,6 +309,7 @@ STREAMINGLLM = Method(
     summary="eviction baseline: keep sinks + the most recent tokens (budget=N or fraction)",
     make_caches=make_streamingllm_caches,
     fields=("budget", "sinks", "window"),
+    options=OPTIONS,
     cache_classes=(StreamingLLMCache,),
 )
 
@@ -268,5 +318,6 @@ KNORM = Method(
     summary="eviction baseline: keep sinks + window + the keys of lowest L2 norm",
     make_caches=make_knorm_caches,
     fields=("budget", "sinks", "window"),
+    options=OPTIONS,
     cache_classes=(KNormCache,),
 )

@@ -28,7 +28,8 @@ chunk normally), then frozen. It gets the axis but not its orientation: the sign
 LAPACK returns, exactly as an uncalibrated user would get it. Calibration diagnostics use the
 same `key_axis` function on captured keys.
 
-Knobs: budget, sinks, window (KVCacheConfig); options={"fit_tokens": 64} for the fallback.
+Knobs: budget, sinks, window (KVCacheConfig); options={"min_budget": 64} (the floor of a
+fractional budget, see eviction.py) and {"fit_tokens": 64} for the fallback.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ import mlx.core as mx
 import numpy as np
 
 from veloxquant.methods.base import Artifact, CalibrationInputs, Method, ModelDims, TensorSpec
-from veloxquant.methods.eviction import EvictionCache
+from veloxquant.methods.eviction import (
+    DEFAULT_MIN_BUDGET,
+    EvictionCache,
+    min_budget_option,
+)
+from veloxquant.methods.eviction import OPTIONS as EVICTION_OPTIONS
 
 DEFAULT_FIT_TOKENS = 64
 DEFAULTS = {"max_rows_per_head": 3000, "seed": 0, "heldout_fraction": 0.2}
@@ -249,8 +255,9 @@ class QFiltersCache(EvictionCache):
         sinks: int | None = None,
         window: int | None = None,
         fit_tokens: int = DEFAULT_FIT_TOKENS,
+        min_budget: int = DEFAULT_MIN_BUDGET,
     ):
-        super().__init__(budget, sinks, window)
+        super().__init__(budget, sinks, window, min_budget)
         if filters is not None:
             shape = tuple(mx.array(filters).shape)
             if len(shape) != 2:
@@ -309,16 +316,11 @@ class QFiltersCache(EvictionCache):
 def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
     dims = ModelDims.of(model)
     fit_tokens = int(config.options.get("fit_tokens", DEFAULT_FIT_TOKENS))
+    knobs = (config.budget, config.sinks, config.window, fit_tokens, min_budget_option(config))
     if artifact is None:  # the uncalibrated key-SVD fallback
-        return [
-            QFiltersCache(None, config.budget, config.sinks, config.window, fit_tokens)
-            for _ in range(dims.L)
-        ]
+        return [QFiltersCache(None, *knobs) for _ in range(dims.L)]
     filters = validate_filters(artifact.tensors["filters"], (dims.L, dims.H_kv, dims.D))
-    return [
-        QFiltersCache(filters[i], config.budget, config.sinks, config.window, fit_tokens)
-        for i in range(dims.L)
-    ]
+    return [QFiltersCache(filters[i], *knobs) for i in range(dims.L)]
 
 
 METHOD = Method(
@@ -327,7 +329,7 @@ METHOD = Method(
     "SVD of calibration queries (budget=N or fraction)",
     make_caches=make_caches,
     fields=("budget", "sinks", "window"),
-    options={"fit_tokens": DEFAULT_FIT_TOKENS},
+    options={"fit_tokens": DEFAULT_FIT_TOKENS, **EVICTION_OPTIONS},
     cache_classes=(QFiltersCache,),
     calibrated=True,
     capture_point="q_post",

@@ -42,7 +42,8 @@ class VecInferCache(_BaseCache):
     """Product-VQ KV cache for one layer. See the module docstring for what is resident.
 
     No `bits` attribute (it would route mlx-lm attention to quantized_matmul); not a KVCache
-    subclass (no inherited `to_quantized`); cannot batch (`merge` raises).
+    subclass, and `to_quantized` raises (mlx-lm's kv_bits= would otherwise skip it without a
+    word); `merge` batches it as one row of a `veloxquant.batch.BatchedCache`.
     """
 
     def __init__(
@@ -217,9 +218,18 @@ class VecInferCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches: list) -> Any:
+        # Not mlx-lm's BatchKVCache, which would silently drop the compression: each sequence
+        # keeps its own codes and window, row by row.
+        from veloxquant.batch import BatchedCache
+
+        return BatchedCache.merge(caches)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        # mlx-lm's kv_bits= calls this once `offset` reaches quantized_kv_start; without it the
+        # request would be ignored silently. veloxquant's CLI and server refuse kv_bits up front.
         raise NotImplementedError(
-            "VecInferCache cannot be merged into a batch cache (batched generation would "
-            "silently drop the compression); generate one sequence at a time."
+            "VecInferCache is already a quantized (product-VQ) cache and cannot be converted "
+            "to mlx-lm's QuantizedKVCache: drop kv_bits= (mlx_lm --kv-bits)."
         )
 
     @property
