@@ -510,3 +510,37 @@ def test_real_model_rope_and_uncalibrated_cache(smollm2, eval_text):
     assert c.stages == 5 and c.key_codes.shape == (1, 3, 80 - 4 - 48, 8)
     assert c.nbytes == sum(a.nbytes for a in c._arrays().values() if a is not None)
     assert c.theta.nbytes == 3 * 5 * 32 * 64 * 2 * 2
+
+
+def test_layer_shared_theta_equals_the_same_theta_repeated_per_head():
+    """share="layer": one θ for the layer's KV heads codes exactly like per-head copies of it,
+    and is counted once."""
+    shared = small_cache(False)
+    shared.theta = shared.theta[:1]  # [1, R, P, 64, 2]
+    per_head = small_cache(False)
+    per_head.theta = mx.repeat(shared.theta, 2, axis=0)
+    _, _, out_a = feed(shared, [9, 1, 3])
+    _, _, out_b = feed(per_head, [9, 1, 3])
+    np.testing.assert_array_equal(np.array(shared.key_codes), np.array(per_head.key_codes))
+    np.testing.assert_array_equal(np.array(out_a[-1][0]), np.array(out_b[-1][0]))
+    assert per_head.nbytes - shared.nbytes == shared.theta.nbytes
+
+
+def test_layer_shared_calibration_shapes(tmp_path):
+    from veloxquant.capture import capture_activations
+
+    model = tiny_llama()
+    capture_activations(model, _tokens(4, 128, seed=5), tmp_path, token_budget=512, seed=0,
+                        progress=False)
+    hp = METHOD.hyperparameters({"stages": 2, "iters": 1, "hard_iters": 1, "share": "layer",
+                                 "value_iters": 2})
+    dims = ModelDims.of(model)
+    tensors, diag = METHOD.calibrate(CalibrationInputs(tmp_path, tmp_path), dims, hp,
+                                     progress=False)
+    assert tuple(tensors["key_theta"].shape) == (2, 1, 2, 16, 64, 2)
+    assert METHOD.tensor_specs(dims, hp)["key_theta"].shape == (2, 1, 2, 16, 64, 2)
+    caches = make_caches(model, KVCacheConfig(method="commvq"),
+                         Artifact("commvq", tensors, hp, diag))
+    model(mx.array(_tokens(1, 70)), cache=caches)
+    assert caches[0].theta.shape[0] == 1 and caches[0].key_codes.shape[:3] == (1, 2, 70 - 52)
+    assert diag["stage_key_rel_err"][1] < diag["stage_key_rel_err"][0] < 1

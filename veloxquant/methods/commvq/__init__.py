@@ -31,8 +31,9 @@ full rotary, rope_scaling none/default/linear.
 
 Knobs: KVCacheConfig.window (fp16 recent tokens, default 48), KVCacheConfig.sinks (default 4);
 options `key_bits` / `stages` (R = round(key_bits·D/12) unless stages is given; D = 64: 2 bits →
-R = 11, 1 bit → R = 5), `value_sub_dim`, `value_bits`, `seed` shape the uncalibrated variant and
-are checked against the artifact for the calibrated one. Calibration hyperparameters:
+R = 11, 1 bit → R = 5), `share` ("head": one θ per KV head, the paper's layout; "layer": one
+per layer), `value_sub_dim`, `value_bits`, `seed` shape the uncalibrated variant and are
+checked against the artifact for the calibrated one. Calibration hyperparameters:
 `train.DEFAULTS`.
 
 Uncalibrated variant (`KVCacheConfig(method="commvq", uncalibrated=True)`, no bundle): θ is the
@@ -52,7 +53,6 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from veloxquant.methods.base import Artifact, Method, ModelDims, TensorSpec
 from veloxquant.methods.commvq import codebook
@@ -72,14 +72,15 @@ from veloxquant.methods.commvq.train import (
 
 # KVCacheConfig.options: None means "from the artifact" (calibrated) or DEFAULTS
 # (uncalibrated); a value given for a calibrated cache must match the artifact.
-OPTIONS: dict[str, Any] = {"key_bits": None, "stages": None, "value_sub_dim": None,
-                           "value_bits": None, "seed": None}
+OPTIONS: dict[str, Any] = {"key_bits": None, "stages": None, "share": None,
+                           "value_sub_dim": None, "value_bits": None, "seed": None}
 
 
 def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
     r = resolve_stages(dims.D, hp)
     specs = {
-        "key_theta": TensorSpec((dims.L, dims.H_kv, r, dims.P, codebook.ATOMS, 2), "float32"),
+        "key_theta": TensorSpec((dims.L, dims.H_kv if hp["share"] == "head" else 1, r, dims.P,
+                                 codebook.ATOMS, 2), "float32"),
         "value_codebook": TensorSpec((dims.L, dims.H_kv, 2 ** hp["value_bits"],
                                       hp["value_sub_dim"]), "float32"),
     }
@@ -136,9 +137,10 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[Comm
         hp = {**DEFAULTS, **{k: v for k, v in options.items()}}
         check_hyperparameters(hp)
         r = resolve_stages(dims.D, hp)
-        g = dims.L * dims.H_kv
-        theta = codebook.gaussian_theta(mx.random.key(int(hp["seed"])), g, r, dims.P)
-        theta = theta.reshape(dims.L, dims.H_kv, *theta.shape[1:])
+        h_share = dims.H_kv if hp["share"] == "head" else 1
+        theta = codebook.gaussian_theta(mx.random.key(int(hp["seed"])), dims.L * h_share, r,
+                                        dims.P)
+        theta = theta.reshape(dims.L, h_share, *theta.shape[1:])
         from veloxquant.methods.vecinfer import gaussian_codebook
 
         vbook = gaussian_codebook(hp["value_sub_dim"], hp["value_bits"], int(hp["seed"]))
@@ -152,8 +154,10 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[Comm
         r = int(theta.shape[2])
         for name, value in options.items():
             if name in ("key_bits", "stages"):
-                asked = resolve_stages(dims.D, {**hp, "stages": None, name: value}
-                                       if name == "key_bits" else {**hp, name: value})
+                asked_hp = {**hp, name: value}
+                if name == "key_bits":
+                    asked_hp["stages"] = None  # key_bits alone decides R
+                asked = resolve_stages(dims.D, asked_hp)
                 if asked != r:
                     raise ValueError(
                         f"commvq: options ask for {name}={value!r} (R={asked} stages) but the "

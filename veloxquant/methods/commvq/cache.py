@@ -182,10 +182,11 @@ class CommVQCache(_BaseCache):
         _check_finite(self.value_codebook, "value codebook")
 
     def _validate_keys(self) -> None:
-        if self.theta is None or self.theta.ndim != 5 or tuple(self.theta.shape[3:]) != (cb.ATOMS, 2):
+        theta = self.theta
+        if theta is None or theta.ndim != 5 or tuple(theta.shape[3:]) != (cb.ATOMS, 2):
             shape = None if self.theta is None else list(self.theta.shape)
             raise ValueError(f"commvq: θ has shape {shape}, expected "
-                             f"[H, R, P, {cb.ATOMS}, 2]")
+                             f"[H or 1, R, P, {cb.ATOMS}, 2]")
         _check_finite(self.theta, "θ")
 
     @property
@@ -198,7 +199,11 @@ class CommVQCache(_BaseCache):
 
     @property
     def n_heads(self) -> int:
-        return int(self.theta.shape[0])
+        # θ and the value codebooks may be shared by the layer's heads ([1, ...]); μ never is.
+        sizes = [int(self.theta.shape[0]), int(self.value_codebook.shape[0])]
+        if self.key_mean is not None:
+            sizes.append(int(self.key_mean.shape[0]))
+        return max(sizes)
 
     # -- RoPE at the cache's absolute positions
 
@@ -219,7 +224,9 @@ class CommVQCache(_BaseCache):
         scales = mx.sqrt((x * x).sum(axis=-1)).astype(mx.float16)
         _check_finite(scales, "keys to encode")
         x = x / mx.maximum(scales.astype(mx.float32), 1e-30)[..., None]
-        pairs = cb.to_pairs(x.transpose(1, 0, 2, 3).reshape(h, b * t, d), self.rope_traditional)
+        g = int(self.theta.shape[0])  # h, or 1 when the layer's heads share θ
+        pairs = cb.to_pairs(x.transpose(1, 0, 2, 3).reshape(g, h // g * b * t, d),
+                            self.rope_traditional)
         codes, _ = cb.encode_residual(pairs, self.theta.astype(mx.float32))
         codes = codes.reshape(h, b, t, -1).transpose(1, 0, 2, 3)
         return pack12(codes), scales
@@ -228,9 +235,10 @@ class CommVQCache(_BaseCache):
         """Inverse of `encode_keys` up to the quantization: post-RoPE keys [B, H, T, D]."""
         b, h, t, _ = packed.shape
         r = self.stages
-        codes = unpack12(packed, r).transpose(1, 0, 2, 3).reshape(h, b * t, r)
+        g = int(self.theta.shape[0])
+        codes = unpack12(packed, r).transpose(1, 0, 2, 3).reshape(g, h // g * b * t, r)
         table = cb.gather_table(self.theta.astype(mx.float32))
-        pairs = cb.decode_pairs(codes, table, h, r)
+        pairs = cb.decode_pairs(codes, table, g, r)
         x = cb.from_pairs(pairs, self.rope_traditional).reshape(h, b, t, -1).transpose(1, 0, 2, 3)
         x = x * scales.astype(mx.float32)[..., None]
         if self.key_mean is not None:

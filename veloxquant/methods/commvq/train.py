@@ -57,6 +57,9 @@ DEFAULTS: dict[str, Any] = {
     # Then this many hard (T → 0) iterations: the soft E-step's 4096 exponentials per token
     # dominate its cost, and at the end of the anneal it is one-hot anyway.
     "hard_iters": 0,
+    # One θ per (layer, KV head) ("head", the paper's layout) or per layer, shared by its KV
+    # heads ("layer": H_kv times fewer resident codebook bytes; μ and scales stay per head).
+    "share": "head",
     # Ridge of the least-squares projection, relative to the mean atom weight.
     "ridge": 1e-3,
     "seed": 0,
@@ -118,6 +121,8 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
         bad("value_bits", "must be an integer in [1, 16]")
     if isinstance(vd, bool) or not isinstance(vd, (int, np.integer)) or vd < 1:
         bad("value_sub_dim", "must be an integer >= 1")
+    if hp["share"] not in ("head", "layer"):
+        bad("share", "must be 'head' or 'layer'")
     if hp["pair_layout"] not in ("auto", "interleaved", "half"):
         bad("pair_layout", "must be 'auto', 'interleaved' or 'half'")
 
@@ -301,17 +306,22 @@ def train_keys(
     traditional: bool,
     hp: dict[str, Any],
     *,
+    pool: int = 1,
     progress: bool = True,
     desc: str = "commvq keys",
 ) -> tuple[mx.array, mx.array | None, dict[str, Any]]:
-    """θ [G, R, P, 64, 2] (and μ [G, D] when `center`) from training keys k_pre [G, N, D]."""
+    """θ [G / pool, R, P, 64, 2] (and μ [G, D] when `center`) from training keys
+    k_pre [G, N, D]. pool > 1 trains one θ for each run of `pool` consecutive groups (a layer's
+    KV heads), on their normalised tokens together; μ and the scales stay per group."""
     from tqdm.auto import tqdm
 
     g, n, d = k_pre.shape
+    if g % pool:
+        raise ValueError(f"commvq: {g} groups do not split into pools of {pool}")
     n_stages = resolve_stages(d, hp)
     mu = k_pre.mean(axis=1) if hp["center"] else None
     x, _ = normalise(k_pre, mu)
-    residual = cb.to_pairs(x, traditional)
+    residual = cb.to_pairs(x.reshape(g // pool, pool * n, d), traditional)
     keys = mx.random.split(mx.random.key(int(hp["seed"])), n_stages)
     taus = temperatures(hp)
     thetas, histories = [], []
@@ -447,7 +457,8 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
     q = q.transpose(0, 2, 1, 3, 4).reshape(n_layers * n_heads, len(q_tok) * group, head_dim)
     del k_all, v_all, q_all
 
-    theta, mu, train_diag = train_keys(k[:, mx.array(key_train)], traditional, hp,
+    pool = n_heads if hp["share"] == "layer" else 1
+    theta, mu, train_diag = train_keys(k[:, mx.array(key_train)], traditional, hp, pool=pool,
                                        progress=progress, desc=f"commvq keys R={n_stages}")
 
     # Values: product k-means per (layer, KV head), as VecInfer trains them.
@@ -467,7 +478,7 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
     k_post = post(kh)
     power = (kh * kh).sum(-1).mean(axis=1)  # [G]
     stage_mse, stage_rel, stage_logit = [], [], []
-    for rec in reconstruct_keys(kh, theta, mu, traditional):
+    for rec in reconstruct_keys(kh, mx.repeat(theta, pool, axis=0), mu, traditional):
         e = kh - rec
         mse = (e * e).sum(-1).mean(axis=1) / head_dim  # per element
         stage_mse.append(mse)
@@ -485,7 +496,8 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
         return x.reshape(n_layers, n_heads).mean(axis=1).tolist()
 
     tensors = {
-        "key_theta": theta.reshape(n_layers, n_heads, n_stages, head_dim // 2, cb.ATOMS, 2),
+        "key_theta": theta.reshape(n_layers, n_heads // pool, n_stages, head_dim // 2,
+                                   cb.ATOMS, 2),
         "value_codebook": vb.reshape(n_layers, n_heads, 2 ** hp["value_bits"],
                                      hp["value_sub_dim"]),
     }
