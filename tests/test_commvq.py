@@ -3,23 +3,31 @@ calibrated-beats-uncalibrated on tiny and real models. Tiny budgets throughout."
 
 from __future__ import annotations
 
-import math
-
-import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx import nn
 from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 from veloxquant.config import KVCacheConfig
 from veloxquant.methods.base import Artifact, CalibrationInputs, ModelDims
-from veloxquant.methods.commvq import METHOD, CommVQCache, check_artifact, make_caches
+from veloxquant.methods.commvq import (
+    METHOD,
+    CommVQCache,
+    check_artifact,
+    make_caches,
+    pq_baseline,
+)
 from veloxquant.methods.commvq import codebook as cb
-from veloxquant.methods.commvq import pq_baseline
 from veloxquant.methods.commvq import train as tr
-from veloxquant.methods.commvq.cache import key_code_bytes, pack12, rope_params, unpack12
+from veloxquant.methods.commvq.cache import (
+    key_code_bytes,
+    pack12,
+    rope_params,
+    unpack12,
+)
 
 LAYOUTS = [True, False]  # rope_traditional: interleaved pairs, half-split pairs
 
@@ -84,7 +92,7 @@ def test_plain_product_vq_fails_the_same_test():
     pass: then PQ is a per-pair lookup, commutative but not additive.)"""
     rng = np.random.default_rng(4)
     d, sub, k, n = 32, 4, 256, 40
-    p, m = d // 2, d // sub
+    m = d // sub
     books = mx.array(rng.standard_normal((m, k, sub)), mx.float32)  # per sub-space codebooks
     codes = mx.array(rng.integers(0, k, (n, m)), mx.int32)
     positions = mx.array(rng.integers(1, 100_000, n))
@@ -239,7 +247,7 @@ def test_cache_sinks_window_exact_and_coded_keys_are_rope_of_decoded_codes(tradi
     total, sinks, window = 16, 2, 5
     ok, ov = outs[-1]
     assert ok.shape == (1, 2, total, 16) and cache.offset == total and cache.size() == total
-    f16 = lambda a: np.array(a.astype(mx.float16).astype(mx.float32))  # noqa: E731
+    f16 = lambda a: np.array(a.astype(mx.float16).astype(mx.float32))
     np.testing.assert_array_equal(np.array(ok[:, :, :sinks]), f16(k[:, :, :sinks]))
     np.testing.assert_array_equal(np.array(ov[:, :, :sinks]), f16(v[:, :, :sinks]))
     # the last call's own token is exact, the window before it fp16

@@ -197,4 +197,4 @@ METHOD = Method(
     min_tokens=min_tokens,
 )
 
-__all__ = ["METHOD", "CommVQCache", "calibrate", "make_caches", "tensor_specs", "check_artifact"]
+__all__ = ["METHOD", "CommVQCache", "calibrate", "check_artifact", "make_caches", "tensor_specs"]

@@ -26,11 +26,11 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx_lm.models.cache as mlx_cache
+from mlx import nn
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from veloxquant.codes import code_bytes, pq_decode, pq_encode
+from veloxquant.codes import pq_decode, pq_encode
 from veloxquant.methods.base import ModelDims, pack_state, unpack_state
 from veloxquant.methods.commvq import codebook as cb
 
@@ -365,4 +365,4 @@ class CommVQCache(_BaseCache):
 
 
 # load_prompt_cache resolves class names in mlx_lm.models.cache.
-setattr(mlx_cache, "CommVQCache", CommVQCache)
+mlx_cache.CommVQCache = CommVQCache

@@ -25,8 +25,6 @@ training). Codes are uint32 holding a·64 + b.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
 HALF_BITS = 6
@@ -221,7 +219,7 @@ def encode_residual(
 ) -> tuple[mx.array, mx.array]:
     """Greedy additive encoding over R stages: stage r codes what stages < r left.
     x [G, N, P, 2], θ [G, R, P, 64, 2] → (codes [G, N, R] uint32, residual [G, N, P, 2])."""
-    g, r_stages = theta.shape[:2]
+    r_stages = theta.shape[1]
     residual = x_pairs
     codes = []
     for r in range(r_stages):

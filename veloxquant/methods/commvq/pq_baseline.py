@@ -92,7 +92,7 @@ class PreRopePQCache(CommVQCache):
         self._dim = int(meta["head_dim"])
 
 
-setattr(mlx_cache, "PreRopePQCache", PreRopePQCache)
+mlx_cache.PreRopePQCache = PreRopePQCache
 
 
 def make_caches(model: Any, key_codebook: mx.array, value_codebook: mx.array,

@@ -35,7 +35,8 @@ default_rng(seed); all reductions are dense (no scatter-adds).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -84,7 +85,7 @@ def resolve_stages(head_dim: int, hp: dict[str, Any]) -> int:
     """R: `stages` if set, else round(key_bits · D / 12), at least 1."""
     if hp.get("stages") is not None:
         return int(hp["stages"])
-    return max(1, int(round(float(hp["key_bits"]) * head_dim / cb.CODE_BITS)))
+    return max(1, round(float(hp["key_bits"]) * head_dim / cb.CODE_BITS))
 
 
 def check_hyperparameters(hp: dict[str, Any]) -> None:
@@ -176,7 +177,7 @@ _estep_chunk_compiled = mx.compile(_estep_chunk)
 def _hard_chunk(xs: mx.array, proj: mx.array, gamma: mx.array, cross: mx.array):
     """The T → 0 limit of `_estep_chunk`: one-hot assignments to the nearest codeword, the
     statistics as dense one-hot GEMMs (deterministic on every device, no scatter-add)."""
-    g, n, _ = xs.shape
+    g = xs.shape[0]
     u, v = cb.score_terms(xs, proj, gamma)
     d2 = cb.partial_sq_distances(u, v, cross)
     codes = mx.argmin(d2, axis=-1)
@@ -193,8 +194,8 @@ def _hard_chunk(xs: mx.array, proj: mx.array, gamma: mx.array, cross: mx.array):
 def e_step(x_flat: mx.array, theta: mx.array, inv_t: mx.array | None, *,
            chunk_elems: int = 1 << 24) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """Soft assignment statistics over all tokens x_flat [G, N, 2P] for θ [G, P, 64, 2];
-    inv_t [G] is 1/T per group, None for hard assignments (T → 0). Returns (W [G, 64, 64], SA, SB [G, 64, P, 2], hard mean
-    squared error [G])."""
+    inv_t [G] is 1/T per group, None for hard assignments (T → 0). Returns (W [G, 64, 64],
+    SA, SB [G, 64, P, 2], hard mean squared error [G])."""
     g, n, p2 = x_flat.shape
     proj = cb.projection_matrix(theta)
     gamma, cross = cb.norm_tables(theta)
@@ -222,7 +223,7 @@ def m_step(w: mx.array, sa: mx.array, sb: mx.array, theta_old: mx.array,
     """The commutativity projection: θ [G, P, 64, 2] minimising Σ_ab W_ab ‖m_ab − c_ab(θ)‖²
     (equivalently the expected squared error under the soft assignment), from W [G, 64, 64]
     and the marginal sums SA, SB [G, 64, P, 2]."""
-    g, k, p, _ = sa.shape
+    k = sa.shape[1]
     r, c = w.sum(axis=2), w.sum(axis=1)
     diag = r + c  # [G, 64]
     anti = w - w.swapaxes(1, 2)  # A = W − Wᵀ
@@ -388,7 +389,7 @@ def min_tokens(hp: dict[str, Any]) -> int:
     need_train = max(MIN_KEY_TRAIN_TOKENS, math.ceil(2 ** hp["value_bits"]
                                                      * hp["value_sub_dim"] / 64))
     need = need_train
-    while need - max(1, int(round(need * hp["heldout_fraction"]))) < need_train:
+    while need - max(1, round(need * hp["heldout_fraction"])) < need_train:
         need += 1
     return need
 
@@ -402,8 +403,8 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
     from tqdm.auto import tqdm
 
     from veloxquant.capture import load_activations, load_capture_info
-    from veloxquant.kmeans import check_finite, product_kmeans
     from veloxquant.codes import pq_decode, pq_encode
+    from veloxquant.kmeans import check_finite, product_kmeans
     from veloxquant.methods.base import ModelDims
     from veloxquant.methods.commvq.cache import rope_params
 
@@ -427,7 +428,7 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
                          f"least {min_tokens(hp)}. Raise the capture token_budget.")
     rng = np.random.default_rng(int(hp["seed"]))
     perm = rng.permutation(n_tokens)
-    n_held = max(1, int(round(n_tokens * hp["heldout_fraction"])))
+    n_held = max(1, round(n_tokens * hp["heldout_fraction"]))
     held = np.sort(perm[:n_held])
     rest = perm[n_held:]
     key_train = np.sort(rest[: int(hp["max_tokens"])])
@@ -509,8 +510,8 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
         "stages": n_stages,
         "key_bits_per_element": n_stages * cb.CODE_BITS / head_dim,
         "centered": bool(hp["center"]),
-        "n_key_train_tokens": int(len(key_train)),
-        "n_value_train_tokens": int(len(value_train)),
+        "n_key_train_tokens": len(key_train),
+        "n_value_train_tokens": len(value_train),
         "n_heldout_tokens": int(n_held),
         "tokens_seen": int(info["tokens_seen"]),
         # Means over (layer, KV head) groups, one entry per stage (cumulative).
