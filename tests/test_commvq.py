@@ -3,6 +3,7 @@ calibrated-beats-uncalibrated on tiny and real models. Tiny budgets throughout."
 
 from __future__ import annotations
 
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -10,7 +11,6 @@ from mlx import nn
 from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 from veloxquant.config import KVCacheConfig
 from veloxquant.methods.base import Artifact, CalibrationInputs, ModelDims
 from veloxquant.methods.commvq import (

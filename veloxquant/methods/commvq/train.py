@@ -5,7 +5,9 @@ Keys (per (layer, KV head) group, all groups batched):
    scale each token to unit norm (s = ‖k − μ‖, stored per token at run time).
 2. Pair the channels in the model's RoPE layout (`codebook.to_pairs`).
 3. R stages, greedy on the residual. Per stage: θ starts from a moment-matched Gaussian
-   (`codebook.gaussian_theta` centred on the residual's mean), then `iters` soft-EM steps:
+   (`codebook.gaussian_theta` centred on the residual's mean), then `iters` soft-EM steps and
+   `hard_iters` hard ones (the T → 0 limit: nearest-codeword assignments, statistics as one-hot
+   GEMMs):
    - E-step: p(a, b | x) = softmax(−‖x − c(a, b)‖ / T) over the 4096 codewords, the distances
      from the separable terms, in chunks of tokens. T = τ · mean ‖x‖ of the stage's input,
      τ annealed geometrically from `temperature_start` to `temperature_end`.
@@ -50,22 +52,23 @@ DEFAULTS: dict[str, Any] = {
     "stages": None,
     # Subtract the per-(layer, KV head) pre-RoPE key mean before normalising (DESIGN §11).
     "center": True,
-    # EM iterations per stage and the annealed temperature τ (relative to the mean residual
-    # norm), geometric from start to end.
-    "iters": 8,
+    # Soft EM iterations per stage, τ (the temperature relative to the stage input's mean
+    # norm) annealed geometrically from start to end, then `hard_iters` hard (T → 0)
+    # iterations: the soft E-step's 4096 exponentials per token cost ~5x a hard step, and
+    # at the end of the anneal the assignment is one-hot anyway.
+    "iters": 2,
     "temperature_start": 0.02,
-    "temperature_end": 0.002,
-    # Then this many hard (T → 0) iterations: the soft E-step's 4096 exponentials per token
-    # dominate its cost, and at the end of the anneal it is one-hot anyway.
-    "hard_iters": 0,
+    "temperature_end": 0.005,
+    "hard_iters": 4,
     # One θ per (layer, KV head) ("head", the paper's layout) or per layer, shared by its KV
     # heads ("layer": H_kv times fewer resident codebook bytes; μ and scales stay per head).
     "share": "head",
     # Ridge of the least-squares projection, relative to the mean atom weight.
     "ridge": 1e-3,
     "seed": 0,
-    # Training tokens per group (a seeded subset of the non-held-out captured tokens).
-    "max_tokens": 4096,
+    # Training tokens per group (a seeded subset of the non-held-out captured tokens); a stage
+    # has only 128 complex parameters per pair, so a few thousand tokens fit it.
+    "max_tokens": 2048,
     "heldout_fraction": 0.1,
     # Values: VecInfer-style product VQ.
     "value_sub_dim": 4,
