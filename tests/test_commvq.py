@@ -552,3 +552,17 @@ def test_layer_shared_calibration_shapes(tmp_path):
     model(mx.array(_tokens(1, 70)), cache=caches)
     assert caches[0].theta.shape[0] == 1 and caches[0].key_codes.shape[:3] == (1, 2, 70 - 52)
     assert diag["stage_key_rel_err"][1] < diag["stage_key_rel_err"][0] < 1
+
+
+def test_real_model_inverse_rope_recovers_captured_pre_rope_keys(smollm2):
+    from veloxquant.capture import record_attention, recording_caches
+
+    model, _ = smollm2
+    cache = make_caches(model, KVCacheConfig(method="commvq", uncalibrated=True), None)[7]
+    with record_attention(model) as ropes:
+        rec = recording_caches(ropes)
+        model(mx.array(_tokens(1, 12)), cache=rec)
+        model(mx.array(_tokens(1, 3, seed=2)), cache=rec)
+    r = rec[7].records[1]
+    np.testing.assert_allclose(np.array(cache._rope(r["k_post"], 12, inverse=True)),
+                               np.array(r["k_pre"]), atol=2e-3, rtol=1e-4)

@@ -19,6 +19,9 @@ add μ, apply RoPE exactly at the coded tokens' positions (they are contiguous, 
 so one `mx.fast.rope` with that offset is the model's own rotation), then concatenate sinks,
 coded tokens, window and the call's own tokens in full precision. The dequantized keys and values
 are dropped after the call and are not counted.
+
+Incoming keys with NaN/inf raise a ValueError (the check costs one host sync per call).
+Not batchable: `merge` raises NotImplementedError.
 """
 
 from __future__ import annotations
