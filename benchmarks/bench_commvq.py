@@ -9,6 +9,8 @@
    tokens (filled through `update_and_fetch` with random keys/values; timing does not depend on
    their values or on θ, so uncalibrated caches of the calibrated shape are used). Arms
    alternate; ratios per pair.
+4. `--bits`: resident bits per element vs context length for R = 2- and 1-bit keys, θ per head
+   or per layer, windows 48 and 16 (nothing else runs).
 
 Timings are interleaved over `--repeats`, reported as median [min, max].
 
@@ -98,6 +100,30 @@ def bench_em(args, model) -> None:
         print(f"  full calibration (keys, values, diagnostics): {time.perf_counter() - t0:.0f} s")
 
 
+def bench_bits(model) -> None:
+    """Resident bits per K/V element of one layer's cache vs context length, from `nbytes` of
+    caches filled with random keys (θ counted; the value codebooks are d4b8)."""
+    from veloxquant.methods.commvq.cache import CommVQCache
+
+    a = model.args
+    h, d = a.num_key_value_heads, a.head_dim
+    for key_bits in (2, 1):
+        r = tr.resolve_stages(d, {**tr.DEFAULTS, "key_bits": key_bits})
+        for share in ("head", "layer"):
+            for window in (48, 16):
+                cells = []
+                for t in (1024, 4096, 32768):
+                    theta = cb.gaussian_theta(mx.random.key(0), h if share == "head" else 1, r,
+                                              d // 2)
+                    c = CommVQCache(theta, mx.zeros((h, 256, 4)), mx.zeros((h, d)),
+                                    rope_base=1e4, rope_traditional=True, value_bits=8,
+                                    value_sub_dim=4, window=window)
+                    x = mx.random.normal((1, h, t, d))
+                    c.update_and_fetch(x, x)
+                    cells.append(f"T={t}: {8 * c.nbytes / (2 * h * d * t):.2f}")
+                print(f"R={r} share={share} window={window}: " + ", ".join(cells))
+
+
 def filled(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 512) -> list:
     a = model.args
     caches = make_caches(model, config, None) if config else [KVCache() for _ in model.layers]
@@ -173,6 +199,7 @@ def main() -> None:
     p.add_argument("--capture", default=None, help="capture dir: time the EM on it")
     p.add_argument("--calibrate", action="store_true", help="also time a full calibration")
     p.add_argument("--key-bits", type=float, default=2)
+    p.add_argument("--bits", action="store_true", help="only the resident-bits table")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--random-weights", metavar="CONFIG_JSON", default=None)
@@ -186,6 +213,9 @@ def main() -> None:
         model, _ = load_model(args.model_dir)
         if dtype is not None:
             model.set_dtype(dtype)
+    if args.bits:
+        bench_bits(model)
+        return
     if args.capture:
         bench_em(args, model)
     config = KVCacheConfig(method="commvq", uncalibrated=True,

@@ -262,7 +262,7 @@ def gaussian_theta(
     Stage r is built for the residual a Gaussian source would leave after r stages at the
     distortion-rate bound (energy·ρ^r), and its codewords carry the share 1 − ρ of that
     energy: the nearest-codeword reconstruction of a Gaussian is shorter than the source, and
-    on unit Gaussian data this scale is within a few percent of the best random-codebook error.
+    on unit Gaussian data this scale is close to the best one for a random codebook.
     E‖c(a, b)‖² = Σ_j E|t_a|² + E|t_b|² = 4·P·σ² for a ≠ b, so σ_r² = energy·ρ^r·(1 − ρ)/(4P).
 
     mean [G, P, 2] (optional, stage 0 only) centres the codewords on it: t = mean·(1 − i)/2

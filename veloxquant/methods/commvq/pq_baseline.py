@@ -8,7 +8,7 @@ CommVQCache's. A sub-vector of consecutive channels is not a union of RoPE pairs
 half-split layout, so this codebook is not closed under RoPE; it is still exact about positions
 here because it decodes to the pre-RoPE space first.
 
-Not a method of its own: eval rows build it through `make_caches(model, tensors, ...)`.
+Not a method of its own: eval rows build it with `make_caches(model, key_codebook, ...)`.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ DEFAULTS: dict[str, Any] = {
     "center": True,
     # Soft EM iterations per stage, τ (the temperature relative to the stage input's mean
     # norm) annealed geometrically from start to end, then `hard_iters` hard (T → 0)
-    # iterations: the soft E-step's 4096 exponentials per token cost ~5x a hard step, and
-    # at the end of the anneal the assignment is one-hot anyway.
+    # iterations: the soft E-step's 4096 exponentials per token cost several hard steps, and
+    # at the end of the anneal the assignment is one-hot anyway (iters=0 is hard EM).
     "iters": 2,
     "temperature_start": 0.02,
     "temperature_end": 0.005,
