@@ -1,0 +1,371 @@
+"""CommVQCache: pre-RoPE additive commutative codes for keys, product-VQ codes for values.
+
+One cache per layer (DESIGN.md section 7). mlx-lm hands the cache post-RoPE keys at absolute
+positions offset .. offset + T − 1. Resident:
+- the first `sinks` tokens and the most recent `window` tokens, keys and values in fp16, exactly
+  as attention produced them;
+- every other token: its key as R 12-bit codes (packed: the high 8 bits of each code, then the low
+  4 bits two per byte, R + ceil(R/2) bytes) plus one fp16 scale s = ‖k_pre − μ‖, and its value
+  as product-VQ codes (`veloxquant.codes`);
+- this layer's θ [H, R, P, 64, 2] and value codebooks in fp16, and μ [H, D] in fp32 when the
+  artifact was trained centred. `nbytes` counts exactly these arrays.
+
+Encode (a token leaving the window): invert RoPE at the token's absolute position
+(`mx.fast.rope` with a negated scale, DESIGN.md section 6), subtract μ, divide by the fp16 scale,
+greedy separable encoding over the R stages (`codebook.encode_residual`).
+
+Fetch (the transient path until the fused kernels land): decode Σ_r c(a_r, b_r), multiply by s,
+add μ, apply RoPE exactly at the coded tokens' positions (they are contiguous, from `sinks` on,
+so one `mx.fast.rope` with that offset is the model's own rotation), then concatenate sinks,
+coded tokens, window and the call's own tokens in full precision. The dequantized keys and values
+are dropped after the call and are not counted.
+
+Incoming keys with NaN/inf raise a ValueError (the check costs one host sync per call).
+Not batchable: `merge` raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
+from mlx import nn
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from veloxquant.codes import pq_decode, pq_encode
+from veloxquant.methods.base import ModelDims, pack_state, unpack_state
+from veloxquant.methods.commvq import codebook as cb
+
+DEFAULT_WINDOW = 48
+DEFAULT_SINKS = 4
+SUPPORTED_ROPE_SCALING = ("default", "linear")
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE the cache can reproduce exactly
+
+
+def rope_params(model_or_dims: Any) -> tuple[float, bool, float]:
+    """(base, traditional, scale) of the model's RoPE, or a ValueError naming what the cache
+    cannot apply exactly: an odd head_dim, partial rotary, or a rope_scaling type other than
+    none/default/linear. With a live model whose attention has a `rope` module, that module
+    must be a plain `nn.RoPE` over the whole head, and its own parameters are used."""
+    dims = ModelDims.of(model_or_dims)
+    if dims.D % 2:
+        raise ValueError(f"commvq: head_dim {dims.D} is odd; RoPE pairs need an even head_dim")
+    if dims.rope_dims is not None and dims.rope_dims != dims.D:
+        raise ValueError(
+            f"commvq: partial rotary embedding (RoPE on {dims.rope_dims} of {dims.D} head "
+            "dims) is not supported: the codebook pairs every channel for RoPE"
+        )
+    scaling = dims.rope_scaling or {}
+    kind = scaling.get("type") or scaling.get("rope_type") or "default"
+    if kind not in SUPPORTED_ROPE_SCALING:
+        raise ValueError(
+            f"commvq: rope_scaling type {kind!r} is not supported (the cache re-applies RoPE "
+            f"at decode and can do so exactly only for {list(SUPPORTED_ROPE_SCALING)})"
+        )
+    scale = 1.0 / float(scaling["factor"]) if kind == "linear" else 1.0
+    base, traditional = float(dims.rope_theta), bool(dims.rope_traditional)
+    layers = getattr(model_or_dims, "layers", None)
+    rope = getattr(getattr(layers[0], "self_attn", None), "rope", None) if layers else None
+    if rope is not None:
+        if type(rope) is not nn.RoPE:
+            raise ValueError(
+                f"commvq: the model's RoPE is {type(rope).__name__}, not a plain nn.RoPE; the "
+                "cache cannot re-apply it exactly"
+            )
+        if rope.dims != dims.D:
+            raise ValueError(
+                f"commvq: partial rotary embedding (RoPE on {rope.dims} of {dims.D} head dims) "
+                "is not supported"
+            )
+        base, traditional, scale = float(rope.base), bool(rope.traditional), float(rope.scale)
+    return base, traditional, scale
+
+
+# ---------------------------------------------------------------------------------------------
+# 12-bit code packing for any R (odd R included)
+
+
+def key_code_bytes(stages: int) -> int:
+    """Bytes per token of R packed 12-bit codes: R high bytes + ceil(R/2) nibble bytes."""
+    return stages + (stages + 1) // 2
+
+
+def pack12(codes: mx.array) -> mx.array:
+    """codes [..., R] (< 4096) → uint8 [..., key_code_bytes(R)]."""
+    r = codes.shape[-1]
+    c = codes.astype(mx.uint32)
+    high = (c >> 4).astype(mx.uint8)
+    low = c & 0xF
+    if r % 2:
+        low = mx.concatenate([low, mx.zeros((*low.shape[:-1], 1), mx.uint32)], axis=-1)
+    nib = (low[..., 0::2] | (low[..., 1::2] << 4)).astype(mx.uint8)
+    return mx.concatenate([high, nib], axis=-1)
+
+
+def unpack12(packed: mx.array, stages: int) -> mx.array:
+    """Inverse of `pack12` → uint32 [..., R]."""
+    p = packed.astype(mx.uint32)
+    high, nib = p[..., :stages], p[..., stages:]
+    low = mx.stack([nib & 0xF, nib >> 4], axis=-1).reshape(*nib.shape[:-1], -1)[..., :stages]
+    return (high << 4) | low
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache
+
+
+def _check_finite(x: mx.array, what: str) -> None:
+    if not bool(mx.all(mx.isfinite(x)).item()):
+        n_bad = int((~mx.isfinite(x)).sum().item())
+        raise ValueError(f"commvq: {what} contain {n_bad} NaN/inf values; the cache cannot "
+                         "encode them (check the model weights and dtype)")
+
+
+class CommVQCache(_BaseCache):
+    """CommVQ KV cache for one layer; see the module docstring for what is resident.
+
+    No `bits` attribute (it would route mlx-lm attention to quantized_matmul); not a KVCache
+    subclass (no inherited `to_quantized`); cannot batch (`merge` raises).
+    """
+
+    # Every array the cache holds (None until used): its state, and what nbytes counts.
+    array_names = ("theta", "key_mean", "value_codebook", "key_codes", "key_scales",
+                   "value_codes", "window_keys", "window_values", "sink_keys", "sink_values")
+
+    def __init__(
+        self,
+        theta: mx.array,
+        value_codebook: mx.array,
+        key_mean: mx.array | None = None,
+        *,
+        rope_base: float,
+        rope_traditional: bool,
+        rope_scale: float = 1.0,
+        value_bits: int,
+        value_sub_dim: int,
+        window: int = DEFAULT_WINDOW,
+        sinks: int = DEFAULT_SINKS,
+    ):
+        self.theta = None if theta is None else theta.astype(mx.float16)
+        self.value_codebook = value_codebook.astype(mx.float16)
+        self.key_mean = None if key_mean is None else key_mean.astype(mx.float32)
+        self.rope_base, self.rope_traditional = float(rope_base), bool(rope_traditional)
+        self.rope_scale = float(rope_scale)
+        self.value_bits, self.value_sub_dim = int(value_bits), int(value_sub_dim)
+        self.window, self.sinks = int(window), int(sinks)
+        self.offset = 0
+        self.sink_keys = self.sink_values = None
+        self.window_keys = self.window_values = None
+        self.key_codes = self.key_scales = self.value_codes = None
+        self._validate()
+
+    def _validate(self) -> None:
+        self._validate_keys()
+        h, d = self.n_heads, self.head_dim
+        want = (2**self.value_bits, self.value_sub_dim)
+        vb = self.value_codebook
+        if vb.ndim != 3 or tuple(vb.shape[1:]) != want or vb.shape[0] not in (1, h):
+            raise ValueError(
+                f"commvq: value codebook has shape {list(vb.shape)} but d{self.value_sub_dim}"
+                f"b{self.value_bits} needs [{h} or 1, {want[0]}, {want[1]}]"
+            )
+        if d % self.value_sub_dim:
+            raise ValueError(f"commvq: value_sub_dim {self.value_sub_dim} must divide "
+                             f"head_dim {d}")
+        if self.key_mean is not None and tuple(self.key_mean.shape) != (h, d):
+            raise ValueError(f"commvq: key mean has shape {list(self.key_mean.shape)}, "
+                             f"expected {[h, d]}")
+        if self.window < 0 or self.sinks < 0:
+            raise ValueError(f"commvq: window and sinks must be >= 0, got {self.window}, "
+                             f"{self.sinks}")
+        _check_finite(self.value_codebook, "value codebook")
+
+    def _validate_keys(self) -> None:
+        theta = self.theta
+        if theta is None or theta.ndim != 5 or tuple(theta.shape[3:]) != (cb.ATOMS, 2):
+            shape = None if self.theta is None else list(self.theta.shape)
+            raise ValueError(f"commvq: θ has shape {shape}, expected "
+                             f"[H or 1, R, P, {cb.ATOMS}, 2]")
+        _check_finite(self.theta, "θ")
+
+    @property
+    def stages(self) -> int:
+        return int(self.theta.shape[1])
+
+    @property
+    def head_dim(self) -> int:
+        return 2 * int(self.theta.shape[2])
+
+    @property
+    def n_heads(self) -> int:
+        # θ and the value codebooks may be shared by the layer's heads ([1, ...]); μ never is.
+        sizes = [int(self.theta.shape[0]), int(self.value_codebook.shape[0])]
+        if self.key_mean is not None:
+            sizes.append(int(self.key_mean.shape[0]))
+        return max(sizes)
+
+    # -- RoPE at the cache's absolute positions
+
+    def _rope(self, x: mx.array, offset: int, inverse: bool = False) -> mx.array:
+        scale = -self.rope_scale if inverse else self.rope_scale
+        return mx.fast.rope(x, self.head_dim, traditional=self.rope_traditional,
+                            base=self.rope_base, scale=scale, offset=offset)
+
+    # -- keys: encode / decode (float32)
+
+    def encode_keys(self, keys: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """Post-RoPE keys [B, H, T, D] at positions offset.. → (packed codes
+        [B, H, T, bytes] uint8, fp16 scales [B, H, T])."""
+        b, h, t, d = keys.shape
+        x = self._rope(keys.astype(mx.float32), offset, inverse=True)
+        if self.key_mean is not None:
+            x = x - self.key_mean[None, :, None, :]
+        scales = mx.sqrt((x * x).sum(axis=-1)).astype(mx.float16)
+        _check_finite(scales, "keys to encode")
+        x = x / mx.maximum(scales.astype(mx.float32), 1e-30)[..., None]
+        g = int(self.theta.shape[0])  # h, or 1 when the layer's heads share θ
+        pairs = cb.to_pairs(x.transpose(1, 0, 2, 3).reshape(g, h // g * b * t, d),
+                            self.rope_traditional)
+        codes, _ = cb.encode_residual(pairs, self.theta.astype(mx.float32))
+        codes = codes.reshape(h, b, t, -1).transpose(1, 0, 2, 3)
+        return pack12(codes), scales
+
+    def decode_keys(self, packed: mx.array, scales: mx.array, offset: int) -> mx.array:
+        """Inverse of `encode_keys` up to the quantization: post-RoPE keys [B, H, T, D]."""
+        b, h, t, _ = packed.shape
+        r = self.stages
+        g = int(self.theta.shape[0])
+        codes = unpack12(packed, r).transpose(1, 0, 2, 3).reshape(g, h // g * b * t, r)
+        table = cb.gather_table(self.theta.astype(mx.float32))
+        pairs = cb.decode_pairs(codes, table, g, r)
+        x = cb.from_pairs(pairs, self.rope_traditional).reshape(h, b, t, -1).transpose(1, 0, 2, 3)
+        x = x * scales.astype(mx.float32)[..., None]
+        if self.key_mean is not None:
+            x = x + self.key_mean[None, :, None, :]
+        return self._rope(x, offset)
+
+    def encode_values(self, values: mx.array) -> mx.array:
+        return pq_encode(values.astype(mx.float32), self.value_codebook, self.value_sub_dim,
+                         self.value_bits)
+
+    def decode_values(self, packed: mx.array) -> mx.array:
+        return pq_decode(packed, self.value_codebook, self.value_sub_dim, self.value_bits,
+                         self.head_dim)
+
+    # -- mlx-lm cache protocol
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[-1] != self.head_dim:
+            raise ValueError(f"commvq: keys have head_dim {keys.shape[-1]}, the codebook "
+                             f"{self.head_dim}")
+        _check_finite(keys, "keys")
+        dtype = keys.dtype
+        recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
+        n_sink = min(max(self.sinks - self.offset, 0), keys.shape[2])
+        if n_sink:
+            # The first `sinks` tokens (attention sinks) stay in fp16 for good.
+            sk = recent_k[:, :, :n_sink].astype(mx.float16)
+            sv = recent_v[:, :, :n_sink].astype(mx.float16)
+            if self.sink_keys is None:
+                self.sink_keys, self.sink_values = sk, sv
+            else:
+                self.sink_keys = mx.concatenate([self.sink_keys, sk], axis=2)
+                self.sink_values = mx.concatenate([self.sink_values, sv], axis=2)
+            recent_k, recent_v = recent_k[:, :, n_sink:], recent_v[:, :, n_sink:]
+        if self.window_keys is not None:
+            recent_k = mx.concatenate([self.window_keys.astype(mx.float32), recent_k], axis=2)
+            recent_v = mx.concatenate([self.window_values.astype(mx.float32), recent_v], axis=2)
+        n_coded = 0 if self.key_codes is None else self.key_codes.shape[2]
+        # Transient dequantization of the coded past; attention sees it, nothing keeps it.
+        if n_coded:
+            out_k = mx.concatenate(
+                [self.decode_keys(self.key_codes, self.key_scales, self.sinks), recent_k], axis=2)
+            out_v = mx.concatenate([self.decode_values(self.value_codes), recent_v], axis=2)
+        else:
+            out_k, out_v = recent_k, recent_v
+        if self.sink_keys is not None:
+            out_k = mx.concatenate([self.sink_keys.astype(mx.float32), out_k], axis=2)
+            out_v = mx.concatenate([self.sink_values.astype(mx.float32), out_v], axis=2)
+        n_old = recent_k.shape[2] - self.window
+        if n_old > 0:
+            # Coded tokens are contiguous from position `sinks`: these start at sinks + n_coded.
+            new_kc, new_ks = self.encode_keys(recent_k[:, :, :n_old], self.sinks + n_coded)
+            new_vc = self.encode_values(recent_v[:, :, :n_old])
+            if self.key_codes is None:
+                self.key_codes, self.key_scales, self.value_codes = new_kc, new_ks, new_vc
+            else:
+                self.key_codes = mx.concatenate([self.key_codes, new_kc], axis=2)
+                if new_ks is not None:
+                    self.key_scales = mx.concatenate([self.key_scales, new_ks], axis=2)
+                self.value_codes = mx.concatenate([self.value_codes, new_vc], axis=2)
+            recent_k, recent_v = recent_k[:, :, n_old:], recent_v[:, :, n_old:]
+        self.window_keys = recent_k.astype(mx.float16)
+        self.window_values = recent_v.astype(mx.float16)
+        self.offset += keys.shape[2]
+        return out_k.astype(dtype), out_v.astype(dtype)
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        # Nothing is evicted, so the stored length is always the absolute offset.
+        return create_attention_mask(N, self.offset, return_array, window_size)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @classmethod
+    def merge(cls, caches: list) -> Any:
+        raise NotImplementedError(
+            f"{cls.__name__} cannot be merged into a batch cache (batched generation would "
+            "silently drop the compression); generate one sequence at a time."
+        )
+
+    def _arrays(self) -> dict[str, mx.array | None]:
+        return {name: getattr(self, name) for name in self.array_names}
+
+    @property
+    def nbytes(self) -> int:
+        # Everything resident and nothing else: packed codes and fp16 scales, the fp16 window
+        # and sinks, this layer's fp16 θ and value codebooks and f32 μ. The dequantized keys
+        # and values built in update_and_fetch are transient and not counted.
+        return int(sum(a.nbytes for a in self._arrays().values() if a is not None))
+
+    @property
+    def meta_state(self) -> dict[str, Any]:
+        return {
+            "offset": self.offset, "window": self.window, "sinks": self.sinks,
+            "rope_base": self.rope_base, "rope_traditional": self.rope_traditional,
+            "rope_scale": self.rope_scale, "value_bits": self.value_bits,
+            "value_sub_dim": self.value_sub_dim,
+        }
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return pack_state(self._arrays(), self.meta_state)
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        arrays, meta = unpack_state(type(self).__name__, v)
+        for name in self.array_names:
+            setattr(self, name, arrays.get(name))
+        self._set_meta(meta)
+        self._validate()
+
+    def _set_meta(self, meta: dict[str, Any]) -> None:
+        self.offset, self.window, self.sinks = (int(meta["offset"]), int(meta["window"]),
+                                                int(meta["sinks"]))
+        self.rope_base, self.rope_scale = float(meta["rope_base"]), float(meta["rope_scale"])
+        self.rope_traditional = bool(meta["rope_traditional"])
+        self.value_bits, self.value_sub_dim = int(meta["value_bits"]), int(meta["value_sub_dim"])
+
+
+# load_prompt_cache resolves class names in mlx_lm.models.cache.
+mlx_cache.CommVQCache = CommVQCache
