@@ -53,17 +53,49 @@ def rand(shape, seed=0, outlier=True):
     return x
 
 
-@pytest.mark.parametrize("head_dim", [64, 40])
-def test_pack_roundtrip_every_width(head_dim):
+@pytest.mark.parametrize("n_codes", [64, 40, 2048])
+def test_pack_roundtrip_every_width(n_codes):
     rng = np.random.default_rng(1)
     for bits in kivi.SUPPORTED_BITS:
-        codes = rng.integers(0, 2**bits, size=(2, 3, 7, head_dim)).astype(np.uint32)
+        codes = rng.integers(0, 2**bits, size=(2, 3, 7, n_codes)).astype(np.uint32)
         words = kivi.pack_codes(mx.array(codes), bits)
-        chunk = 32 if head_dim % 32 == 0 else 8
-        assert words.dtype == (mx.uint32 if chunk == 32 else mx.uint8)
-        # exactly `bits` bits per code: no padding
-        assert words.nbytes * 8 == codes.size * bits
-        np.testing.assert_array_equal(np.array(kivi.unpack_codes(words, bits, head_dim)), codes)
+        assert words.dtype == mx.uint32
+        assert words.shape[-1] == -(-n_codes * bits // 32)  # padded to a whole word only
+        if n_codes * bits % 32 == 0:
+            assert words.nbytes * 8 == codes.size * bits  # exactly `bits` bits per code
+        np.testing.assert_array_equal(np.array(kivi.unpack_codes(words, bits, n_codes)), codes)
+
+
+@pytest.mark.parametrize("bits", kivi.MX_DEQUANTIZE_BITS)
+def test_packing_is_the_mx_quantize_layout(bits):
+    # mx.quantize's own words, read back by our unpacker, are its codes; and our packer writes
+    # those same words from the codes
+    x = mx.array(np.random.default_rng(bits).normal(size=(5, 128)).astype(np.float32))
+    w, s, z = mx.quantize(x, group_size=32, bits=bits)
+    deq = mx.dequantize(w, s, z, group_size=32, bits=bits)
+    codes = np.rint(np.array((deq - mx.repeat(z, 32, -1)) / mx.repeat(s, 32, -1)))
+    np.testing.assert_array_equal(np.array(kivi.unpack_codes(w, bits, 128)), codes)
+    np.testing.assert_array_equal(np.array(kivi.pack_codes(mx.array(codes.astype(np.uint32)),
+                                                           bits)), np.array(w))
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_fused_dequantize_matches_pure_path(group_size, monkeypatch):
+    hb = np.array([[1, 8], [3, 2], [7, 4]])  # 7 bits always takes the pure path
+    assert kivi.fused_dequantize_ok(64, 3, group_size) and not kivi.fused_dequantize_ok(64, 7, 32)
+    calls = []
+    real = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(k["bits"]) or real(*a, **k))
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(kivi, "USE_MX_DEQUANTIZE", fused)
+        cache = KIVICache(hb, group_size=group_size, window=32, sinks=4)
+        _, _, outs[fused] = feed(cache, [300, 1])
+        # the fused path really ran, for every width but 7 (K and V buckets, 2 fetches)
+        assert sorted(set(calls)) == ([1, 2, 3, 4, 8] if fused else [])
+        calls.clear()
+    for a, b in zip(outs[True], outs[False]):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])

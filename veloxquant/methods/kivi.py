@@ -10,10 +10,15 @@ Quantizer (`quantize_keys`, `quantize_values`; float32 math, fp16 scale and zero
   error then stays in that token;
 - asymmetric min/max: scale = (max - min) / (2^b - 1) and zero = min, both rounded to fp16
   first, then code = clip(round((x - zero) / scale), 0, 2^b - 1). Dequantized: code·scale + zero.
-- Bit widths 1-8 (`SUPPORTED_BITS`), anything else is refused. Codes are bit-plane packed
-  (`pack_codes`): every 32 codes along head_dim (8 when head_dim is not a multiple of 32) become
-  b words of uint32 (uint8), word j holding bit j of each code, so any b costs exactly b bits
-  per element with no padding.
+- Bit widths 1-8 (`SUPPORTED_BITS`), anything else is refused. Codes are packed as one
+  little-endian bit stream per row in uint32 words (`pack_codes`; the layout `mx.quantize`
+  writes), rows padded to a whole word only when D·b is not a multiple of 32, so b costs
+  exactly b bits per element for the usual head dims. Value rows are a token's D channels;
+  key rows are a block's D·G codes channel-major, so every group is G consecutive codes.
+- Dequantization (`dequantize_rows`) is one fused `mx.dequantize` call per bucket when it
+  applies (G in 32/64/128, widths other than 7; float32 scales so the arithmetic is the same),
+  else a pure-MLX unpack (`unpack_codes`), which is the reference it is tested against;
+  `USE_MX_DEQUANTIZE = False` forces the pure path. Neither uses `mx.quantized_matmul`.
 
 Runtime (`KIVICache`, method "kivi"; one cache per layer):
 - bits per (KV head, stream) from `head_bits` [H_kv, 2] (column 0 keys, column 1 values).
@@ -34,7 +39,7 @@ Runtime (`KIVICache`, method "kivi"; one cache per layer):
   where `QuantizedKVCache`'s quantized_matmul has a shape gap).
 - `nbytes`: packed codes, fp16 scales and zeros, the fp16 window and sinks; nothing else.
   Per stored token and head: D·b/8 bytes of codes plus 4·D/G bytes of scale + zero, i.e.
-  b + 32/G bits per element (G = 32: b + 1).
+  b + 32/G bits per element (G = 32: b + 1); `resident_bytes` is the formula.
 - cache contract (DESIGN section 7): `offset` absolute, nothing is evicted so size() == offset,
   no `bits` attribute (it would route mlx-lm attention to quantized_matmul; the allocation is
   `head_bits`), not a KVCache subclass (no inherited `to_quantized`), `merge` raises, not
@@ -59,6 +64,11 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from veloxquant.methods.base import Method, ModelDims, pack_state, unpack_state
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+# mx.dequantize (affine) reads these widths; 7 bits, or odd group sizes, take the pure-MLX path.
+MX_DEQUANTIZE_BITS = (1, 2, 3, 4, 5, 6, 8)
+# Set False to force the pure-MLX unpacking everywhere (the reference the fused path is tested
+# against; also the way out on a backend without mx.dequantize).
+USE_MX_DEQUANTIZE = True
 DEFAULT_GROUP_SIZE = 32
 DEFAULT_WINDOW = 32
 DEFAULT_SINKS = 4
@@ -166,51 +176,80 @@ def fake_quantize(x: mx.array, bits: int, group_size: int, stream: str) -> mx.ar
 # Bit-plane packing
 
 
-def pack_chunk(head_dim: int) -> int:
-    """Codes per packed word: 32 (uint32) when 32 divides head_dim, else 8 (uint8)."""
-    if head_dim % 32 == 0:
-        return 32
-    if head_dim % 8 == 0:
-        return 8
-    raise ValueError(f"kivi: head_dim {head_dim} must be a multiple of 8 to pack codes")
-
-
-def packed_width(head_dim: int, bits: int) -> int:
-    """Words per token and head: head_dim / chunk chunks of `bits` words each."""
-    return head_dim // pack_chunk(head_dim) * bits
+def packed_width(n_codes: int, bits: int) -> int:
+    """uint32 words holding n_codes codes of `bits` bits (a row padded to a whole word)."""
+    return -(-n_codes * bits // 32)
 
 
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
-    """codes [..., D] (< 2^bits) → [..., D/chunk · bits] uint32 (uint8), bit planes per chunk."""
-    d = codes.shape[-1]
-    chunk = pack_chunk(d)
-    dtype = mx.uint32 if chunk == 32 else mx.uint8
-    c = codes.astype(mx.uint32).reshape(*codes.shape[:-1], d // chunk, chunk, 1)
-    planes = (c >> mx.arange(bits, dtype=mx.uint32)) & 1  # [..., n, chunk, bits]
-    lanes = mx.arange(chunk, dtype=mx.uint32)[:, None]
+    """codes [..., n] (< 2^bits) → uint32 [..., packed_width(n, bits)]: one little-endian bit
+    stream per row, code i in bits [i·b, (i+1)·b). This is the layout `mx.quantize` writes, so
+    `mx.dequantize` reads it."""
+    n = codes.shape[-1]
+    lead = codes.shape[:-1]
+    planes = (codes.astype(mx.uint32)[..., None] >> mx.arange(bits, dtype=mx.uint32)) & 1
+    stream = planes.reshape(*lead, n * bits)
+    width = packed_width(n, bits)
+    if width * 32 != n * bits:
+        pad = mx.zeros((*lead, width * 32 - n * bits), dtype=mx.uint32)
+        stream = mx.concatenate([stream, pad], axis=-1)
+    stream = stream.reshape(*lead, width, 32)
     # distinct bits, so the sum is an OR and never carries
-    words = (planes << lanes).sum(axis=-2).astype(dtype)  # [..., n, bits]
-    return words.reshape(*codes.shape[:-1], d // chunk * bits)
+    return (stream << mx.arange(32, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
 
 
-def unpack_codes(words: mx.array, bits: int, head_dim: int) -> mx.array:
-    """Inverse of `pack_codes` → uint32 [..., head_dim]."""
-    chunk = pack_chunk(head_dim)
-    w = words.astype(mx.uint32).reshape(*words.shape[:-1], head_dim // chunk, 1, bits)
-    lanes = mx.arange(chunk, dtype=mx.uint32)[:, None]
-    planes = (w >> lanes) & 1  # [..., n, chunk, bits]
-    codes = (planes << mx.arange(bits, dtype=mx.uint32)).sum(axis=-1)
-    return codes.reshape(*words.shape[:-1], head_dim).astype(mx.uint32)
+def unpack_codes(words: mx.array, bits: int, n_codes: int) -> mx.array:
+    """Inverse of `pack_codes` → uint32 [..., n_codes] (pure MLX: the reference path)."""
+    lead = words.shape[:-1]
+    stream = (words[..., None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    stream = stream.reshape(*lead, words.shape[-1] * 32)[..., : n_codes * bits]
+    planes = stream.reshape(*lead, n_codes, bits)
+    return (planes << mx.arange(bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+
+
+def fused_dequantize_ok(n_codes: int, bits: int, group_size: int) -> bool:
+    """Whether `mx.dequantize` (one fused op) can read rows of n_codes codes: its affine mode
+    takes group sizes 32/64/128 and widths 1-6 and 8, with no row padding."""
+    return (USE_MX_DEQUANTIZE and group_size in (32, 64, 128) and bits in MX_DEQUANTIZE_BITS
+            and n_codes % group_size == 0 and (n_codes * bits) % 32 == 0)
+
+
+def dequantize_rows(words: mx.array, scale: mx.array, zero: mx.array, bits: int,
+                    group_size: int, n_codes: int) -> mx.array:
+    """code·scale + zero over rows of n_codes packed codes, groups of G along the row
+    (scale, zero [..., n_codes / G]) → float32 [..., n_codes]. Fused `mx.dequantize` when it
+    applies (float32 scales, so the arithmetic is the reference's), else pure MLX."""
+    s32, z32 = scale.astype(mx.float32), zero.astype(mx.float32)
+    if fused_dequantize_ok(n_codes, bits, group_size):
+        return mx.dequantize(words, s32, z32, group_size=group_size, bits=bits)
+    codes = unpack_codes(words, bits, n_codes).astype(mx.float32)
+    lead = codes.shape[:-1]
+    codes = codes.reshape(*lead, n_codes // group_size, group_size)
+    return (codes * s32[..., None] + z32[..., None]).reshape(*lead, n_codes)
+
+
+def pack_key_block_codes(codes: mx.array, group_size: int) -> tuple[mx.array, int]:
+    """Key codes [..., n·G, D] → channel-major rows [..., n, D·G] (a channel's G tokens
+    contiguous, so each quantization group is G consecutive codes of a row)."""
+    *lead, t, d = codes.shape
+    rows = codes.reshape(*lead, t // group_size, group_size, d).swapaxes(-1, -2)
+    return rows.reshape(*lead, t // group_size, d * group_size), d * group_size
 
 
 def resident_bytes(n_quantized: int, n_fp: int, head_bits: np.ndarray, head_dim: int,
                    group_size: int, batch: int = 1) -> int:
     """Exact `KIVICache.nbytes` for n_quantized stored tokens and n_fp fp16 tokens (window +
-    sinks), from the formula: codes D·b/8 bytes per token and head-stream, scale + zero
-    2·2 bytes per group (keys: D groups per G tokens; values: D/G groups per token)."""
+    sinks), from the formula: key codes ceil(D·G·b/32) uint32 words per block of G tokens and
+    head, value codes ceil(D·b/32) words per token and head (both D·b/8 bytes per token when
+    32 divides D), and fp16 scale + zero per group (keys: D groups per block; values: D/G
+    groups per token)."""
     head_bits = np.asarray(head_bits)
-    word = 4 if pack_chunk(head_dim) == 32 else 1
-    codes = sum(n_quantized * packed_width(head_dim, int(b)) * word for b in head_bits.ravel())
+    n_blocks = n_quantized // group_size
+    codes = 0
+    for b in head_bits[:, 0]:
+        codes += n_blocks * packed_width(head_dim * group_size, int(b)) * 4
+    for b in head_bits[:, 1]:
+        codes += n_quantized * packed_width(head_dim, int(b)) * 4
     n_streams = head_bits.size  # H · 2
     groups = n_quantized * head_dim // group_size  # same count for keys and values
     return batch * (codes + n_streams * groups * 4 + n_streams * n_fp * head_dim * 2)
@@ -272,6 +311,7 @@ class KIVICache(_BaseCache):
                 xs = x if len(idx) == x.shape[1] else mx.take(x, mx.array(idx), axis=1)
                 if stream == "key":
                     codes, scale, zero = quantize_keys(xs, b, g)
+                    codes, _ = pack_key_block_codes(codes, g)
                 else:
                     codes, scale, zero = quantize_values(xs, b, g)
                 new = {"codes": pack_codes(codes, b), "scale": scale, "zero": zero}
@@ -283,11 +323,16 @@ class KIVICache(_BaseCache):
 
     def _dequantize(self, stream: str) -> mx.array:
         parts = []
+        g, d = self.group_size, self.head_dim
         for b, _ in self.buckets[stream]:
             st = self.store[stream][b]
-            codes = unpack_codes(st["codes"], b, self.head_dim)
-            deq = dequantize_keys if stream == "key" else dequantize_values
-            parts.append(deq(codes, st["scale"], st["zero"], self.group_size))
+            if stream == "key":  # rows [B, h, n, D·G] → [B, h, n·G, D]
+                x = dequantize_rows(st["codes"], st["scale"], st["zero"], b, g, d * g)
+                bsz, h, n, _ = x.shape
+                x = x.reshape(bsz, h, n, d, g).swapaxes(-1, -2).reshape(bsz, h, n * g, d)
+            else:
+                x = dequantize_rows(st["codes"], st["scale"], st["zero"], b, g, d)
+            parts.append(x)
         x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
         inv = self._inverse[stream]
         return x if inv is None else mx.take(x, inv, axis=1)
@@ -308,7 +353,6 @@ class KIVICache(_BaseCache):
                 raise ValueError(f"kivi: head_bits covers {self.head_bits.shape[0]} KV heads "
                                  f"but the layer has {h}")
             check_group_size(self.group_size, d)
-            pack_chunk(d)
             self.head_dim = d
         recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
         n_sink = min(max(self.sinks - self.offset, 0), keys.shape[2])
@@ -444,7 +488,6 @@ def resolve_layout(config: Any, dims: ModelDims) -> tuple[int, int, int]:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
             raise ValueError(f"kivi: {name} must be an integer >= 0, got {v!r}")
     group_size = check_group_size(group_size, dims.D)
-    pack_chunk(dims.D)
     return group_size, int(window), int(sinks)
 
 

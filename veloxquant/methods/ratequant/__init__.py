@@ -180,7 +180,6 @@ def calibrate(
                          "Fisher pass")
     g, window, sinks = int(hp["group_size"]), int(hp["window"]), int(hp["sinks"])
     kivi.check_group_size(g, dims.D)
-    kivi.pack_chunk(dims.D)
     allowed = alloc.check_allowed_bits(hp["allowed_bits"])
     info = load_capture_info(inputs.activations_dir)
     if info["num_layers"] != dims.L:
@@ -192,8 +191,10 @@ def calibrate(
 
     windows = load_tokens(inputs.calib_tokens)[:, : hp["fisher_tokens"]]
     model, _ = load_model(inputs.model_dir)
-    if ModelDims.of(model) != dims:
-        raise ValueError(f"ratequant: model {inputs.model_dir} does not match dims {dims}")
+    live = ModelDims.of(model)
+    if (live.L, live.H_q, live.H_kv, live.D) != (dims.L, dims.H_q, dims.H_kv, dims.D):
+        raise ValueError(f"ratequant: model {inputs.model_dir} ({live}) does not match the "
+                         f"dims calibration was asked for ({dims})")
     layout = {"mode": hp["fisher_mode"], "window": window, "sinks": sinks, "group_size": g}
     n_val = int(hp["validate_units"])
     # The validation window is held out of the Fisher average when there is more than one.
@@ -294,7 +295,6 @@ def _layout(config: Any, dims: ModelDims, group_size: int, window: int, sinks: i
         if not _is_int(v) or v < 0:
             raise ValueError(f"ratequant: {name} must be an integer >= 0, got {v!r}")
     kivi.check_group_size(group_size, dims.D)
-    kivi.pack_chunk(dims.D)
     return group_size, int(window), int(sinks)
 
 
