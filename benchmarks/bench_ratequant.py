@@ -19,6 +19,12 @@
     # 5. decode step and allocation solve: fp16 KVCache vs uniform KIVI vs the mixed-bit
     #    allocation, one-token forward of the real model at a given context, interleaved
     python benchmarks/bench_ratequant.py decode --artifacts artifacts/smollm2-135m --rq OUT
+    # 6. on a GPU backend without the weights: random weights of the same architecture and a
+    #    synthetic mixed allocation of its shape; `check` compares the fused mx.dequantize path
+    #    with the pure-MLX one and both with an fp KVCache on this backend
+    python benchmarks/bench_ratequant.py check --random-weights config.json --dtype float16
+    python benchmarks/bench_ratequant.py decode --random-weights config.json --dtype float16 \
+        --context 16384
 
 Every timing is interleaved over --repeats and reported as median [min, max].
 """
@@ -60,6 +66,87 @@ def load_artifact(path: str | Path, importance_from: str | None = None) -> Artif
 def fmt(xs: list[float], scale: float = 1e3, unit: str = "ms") -> str:
     return (f"{statistics.median(xs) * scale:.2f} [{min(xs) * scale:.2f}, "
             f"{max(xs) * scale:.2f}] {unit}")
+
+
+def random_weights_model(config_json: str, dtype: mx.Dtype):
+    """The architecture of `config_json` with mlx's default random init, cast to `dtype`
+    (decode timings do not depend on the weight values)."""
+    from mlx_lm.utils import _get_classes
+
+    cfg = json.loads(Path(config_json).read_text())
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def get_model(args):
+    if getattr(args, "random_weights", None):
+        return random_weights_model(args.random_weights, getattr(mx, args.dtype or "float32"))
+    from veloxquant.model_import import load_model
+
+    model, _ = load_model(Path(args.artifacts) / "model")
+    if getattr(args, "dtype", None):
+        model.set_dtype(getattr(mx, args.dtype))
+    return model
+
+
+def mixed_artifact(dims: ModelDims, group_size: int = 64) -> Artifact:
+    """A RateQuant artifact of the model's shape from seeded synthetic importance and
+    distortion: a realistic mixed allocation for timing a model without a calibration."""
+    rng = np.random.default_rng(0)
+    shape = (dims.L, dims.H_kv, 2)
+    w = np.exp(rng.normal(0, 1.5, size=shape))
+    table = np.exp(rng.normal(0, 0.3, size=shape))[..., None] * 4.5 ** -np.arange(1.0, 9.0)
+    hp = {**ratequant.DEFAULTS, "group_size": group_size}
+    cols = [kivi.SUPPORTED_BITS.index(b) for b in hp["allowed_bits"]]
+    a, b, _ = ratequant.alloc.fit_distortion(hp["allowed_bits"], table[..., cols])
+    bits, _ = ratequant.alloc.allocate(w, a, b, table[..., cols], hp["allowed_bits"],
+                                       hp["bits"], group_size)
+    tensors = {"importance": w, "fisher_sq": w, "proxy_importance": w, "distortion": table,
+               "alpha": a, "beta": b, "bits": bits.astype(np.int8)}
+    return Artifact("ratequant", tensors, hp, {})
+
+
+def cmd_check(args) -> None:
+    """Fused vs pure-MLX dequantization, and KIVI vs an fp KVCache, on this backend."""
+    from mlx_lm.models.cache import KVCache
+
+    model = get_model(args)
+    dims = ModelDims.of(model)
+    art = load_artifact(args.rq) if args.rq else mixed_artifact(dims)
+    make = ratequant.METHOD.make_caches
+    print("backend:", "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else
+          "metal" if mx.metal.is_available() else "cpu", "| dtype", args.dtype or "float32")
+    tokens = mx.array(np.random.default_rng(0).integers(
+        0, model.args.vocab_size, size=(1, args.tokens)).astype(np.int32))
+    outs = {}
+    for name in ("fp KVCache", "RateQuant fused", "RateQuant pure"):
+        kivi.USE_MX_DEQUANTIZE = name != "RateQuant pure"
+        caches = ([KVCache() for _ in model.layers] if name == "fp KVCache"
+                  else make(model, config(bits=args.bits), art))
+        model(tokens[:, : args.tokens // 2], cache=caches)  # prefill: quantizes most of it
+        logits = []
+        for t in range(args.tokens // 2, args.tokens):  # decode one token at a time
+            logits.append(model(tokens[:, t:t + 1], cache=caches)[0, -1].astype(mx.float32))
+        outs[name] = mx.stack(logits)
+        mx.eval(outs[name])
+        if name != "fp KVCache":
+            nbytes = sum(c.nbytes for c in caches)
+            elems = 2 * dims.L * dims.H_kv * dims.D * args.tokens
+            print(f"  {name}: resident {8 * nbytes / elems:.3f} bits per element")
+    kivi.USE_MX_DEQUANTIZE = True
+    diff = float(mx.abs(outs["RateQuant fused"] - outs["RateQuant pure"]).max().item())
+    ref = outs["fp KVCache"]
+    scale = float(mx.abs(ref).max().item())
+    print(f"  fused vs pure: max |Δlogit| {diff:.3g} (logits up to {scale:.3g})")
+    for name in ("RateQuant fused", "RateQuant pure"):
+        lp = outs[name] - mx.logsumexp(outs[name], -1, keepdims=True)
+        lr = ref - mx.logsumexp(ref, -1, keepdims=True)
+        kl = float((mx.exp(lr) * (lr - lp)).sum(-1).mean().item())
+        agree = float((mx.argmax(lp, -1) == mx.argmax(lr, -1)).mean().item())
+        print(f"  {name} vs fp KVCache: KL {kl:.4g}, top-1 agreement {agree:.3f}")
 
 
 def cmd_calibrate(args) -> None:
@@ -228,13 +315,11 @@ def cmd_cost(args) -> None:
 def cmd_decode(args) -> None:
     from mlx_lm.models.cache import KVCache
 
-    from veloxquant.model_import import load_model
-
-    root = Path(args.artifacts)
-    model, _ = load_model(root / "model")
+    model = get_model(args)
     dims = ModelDims.of(model)
-    art = load_artifact(args.rq)
+    art = load_artifact(args.rq) if args.rq else mixed_artifact(dims)
     make = ratequant.METHOD.make_caches
+    dtype = model.model.embed_tokens.weight.dtype
 
     # allocation solve at load time
     solve = []
@@ -249,6 +334,7 @@ def cmd_decode(args) -> None:
         f"uniform KIVI b̄={args.bits:g}": lambda: make(model, config(bits=args.bits,
                                                                      uncalibrated=True), None),
         f"RateQuant b̄={args.bits:g}": lambda: make(model, config(bits=args.bits), art),
+        "RateQuant, pure unpack": lambda: make(model, config(bits=args.bits), art),
     }
     rng = np.random.default_rng(0)
     caches = {}
@@ -258,18 +344,26 @@ def cmd_decode(args) -> None:
         for start in range(0, args.context, 512):
             n = min(512, args.context - start)
             for layer in c:
-                k = mx.array(rng.normal(size=(1, dims.H_kv, n, dims.D)).astype(np.float32))
+                k = mx.array(rng.normal(size=(1, dims.H_kv, n, dims.D))).astype(dtype)
                 layer.update_and_fetch(k, k)
             mx.eval([layer.state for layer in c])
         caches[name] = c
     tok = mx.array([[1]])
     times = {name: [] for name in arms}
+
+    def step(name, c):
+        kivi.USE_MX_DEQUANTIZE = "pure" not in name  # read when the graph is built
+        try:
+            mx.eval(model(tok, cache=c))
+        finally:
+            kivi.USE_MX_DEQUANTIZE = True
+
     for name, c in caches.items():  # warm-up
-        mx.eval(model(tok, cache=c))
+        step(name, c)
     for _ in range(args.repeats):
         for name, c in caches.items():  # interleaved
             t0 = time.perf_counter()
-            mx.eval(model(tok, cache=c))
+            step(name, c)
             times[name].append(time.perf_counter() - t0)
     base = times["fp16 KVCache"]
     print(f"decode step, context {args.context} (+{args.repeats} steps), {args.repeats} "
@@ -316,15 +410,22 @@ def main(argv=None) -> None:
     o.add_argument("--artifacts", required=True)
     o.add_argument("--tokens", type=int, default=512)
     o.add_argument("--repeats", type=int, default=3)
-    d = sub.add_parser("decode")
-    d.add_argument("--artifacts", required=True)
-    d.add_argument("--rq", required=True)
-    d.add_argument("--bits", type=float, default=3.0)
+    for name in ("check", "decode"):
+        x = sub.add_parser(name)
+        x.add_argument("--artifacts", help="the model dir's parent (real weights)")
+        x.add_argument("--random-weights", metavar="CONFIG_JSON",
+                       help="build the model from a config.json with random weights")
+        x.add_argument("--dtype", help="e.g. float16 or bfloat16 (default: float32)")
+        x.add_argument("--rq", help="RateQuant artifact dir (default: a synthetic mixed "
+                                    "allocation of the model's shape)")
+        x.add_argument("--bits", type=float, default=3.0)
+    sub.choices["check"].add_argument("--tokens", type=int, default=256)
+    d = sub.choices["decode"]
     d.add_argument("--context", type=int, default=1024)
     d.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
     {"calibrate": cmd_calibrate, "eval": cmd_eval, "truth": cmd_truth,
-     "cost": cmd_cost, "decode": cmd_decode}[args.cmd](args)
+     "cost": cmd_cost, "check": cmd_check, "decode": cmd_decode}[args.cmd](args)
 
 
 if __name__ == "__main__":
