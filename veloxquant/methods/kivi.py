@@ -35,8 +35,9 @@ Runtime (`KIVICache`, method "kivi"; one cache per layer):
   values to attention, followed by the window and the call's own tokens in full precision (so
   a chunk's attention over itself is full precision, as in any prefill; tokens of earlier calls
   are seen quantized once flushed). Nothing dequantized is kept. It never calls
-  `mx.quantized_matmul`, so it runs wherever plain MLX ops run (including MLX's CUDA backend,
-  where `QuantizedKVCache`'s quantized_matmul has a shape gap).
+  `mx.quantized_matmul`, so it does not inherit that op's CUDA shape gap (which breaks
+  `QuantizedKVCache` prefill there). Not yet run on the CUDA backend: if `mx.dequantize` is
+  missing there, `USE_MX_DEQUANTIZE = False` leaves only elementwise ops and reductions.
 - `nbytes`: packed codes, fp16 scales and zeros, the fp16 window and sinks; nothing else.
   Per stored token and head: D·b/8 bytes of codes plus 4·D/G bytes of scale + zero, i.e.
   b + 32/G bits per element (G = 32: b + 1); `resident_bytes` is the formula.
