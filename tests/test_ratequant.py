@@ -1,0 +1,371 @@
+"""RateQuant (veloxquant/methods/ratequant): Fisher importance against finite differences and
+noise injection on a tiny model, distortion fits, the water-filling solve, the artifact checks,
+and the quality ordering RateQuant < E‖x‖² proxy ≤ uniform on the real default model."""
+
+from __future__ import annotations
+
+import types
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from veloxquant.methods import kivi, ratequant
+from veloxquant.methods.base import Artifact, CalibrationInputs, ModelDims
+from veloxquant.methods.ratequant import alloc, fisher
+
+
+def tiny_llama() -> nn.Module:
+    from mlx_lm.models import llama
+
+    mx.random.seed(3)
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=64, rope_theta=10000.0,
+                           tie_word_embeddings=False)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def config(**kw):
+    base = {"method": "ratequant", "bits": None, "group_size": None, "window": None,
+            "sinks": None, "uncalibrated": False, "options": {}}
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+TOKENS = np.random.default_rng(0).integers(0, 64, size=40).astype(np.int32)
+RUNTIME = {"mode": "runtime", "window": 4, "sinks": 2, "group_size": 4}
+
+
+# ------------------------------------------------------------------------------------ Fisher
+
+
+@pytest.mark.parametrize("layout", [{"mode": "plain"}, RUNTIME], ids=["plain", "runtime"])
+def test_fisher_gradient_matches_finite_difference(layout):
+    model = tiny_llama()
+    chunk = 8 if layout["mode"] == "runtime" else None
+    tokens = mx.array(TOKENS)
+    _, grads, _ = fisher.window_gradients(model, tokens, chunk, **layout)
+    shape = grads[0].shape
+    rng = np.random.default_rng(1)
+    eps = 1e-2
+    checked = 0
+    for idx in (1, 2):  # layer 0 values, layer 1 keys
+        g = np.array(grads[idx])
+        # the largest entries, where the difference quotient stands clear of float32 noise
+        flat = np.argsort(-np.abs(g).ravel())[:3]
+        for f in flat:
+            pos = np.unravel_index(f, shape)
+            delta = np.zeros(shape, np.float32)
+            delta[pos] = eps
+
+            def loss(sign):
+                perts = [None] * 4
+                perts[idx] = mx.array(sign * delta)
+                return float(fisher.window_nll(model, tokens, perts, chunk, **layout)[0].item())
+
+            fd = (loss(1) - loss(-1)) / (2 * eps)
+            assert fd == pytest.approx(float(g[pos]), rel=0.05, abs=1e-4)
+            checked += 1
+    assert checked == 6
+    del rng
+
+
+def test_runtime_mode_perturbs_only_what_the_runtime_quantizes():
+    model = tiny_llama()
+    _, grads, _ = fisher.window_gradients(model, mx.array(TOKENS), 8, **RUNTIME)
+    g = np.abs(np.array(grads[0]))[0].sum(axis=(0, 2))  # per position, layer 0 keys
+    n = len(TOKENS) - 1
+    # the last call starts at 32 past tokens: quantized are [2, 2 + (32-2-4)//4*4) = [2, 26)
+    lo, hi = fisher.quantized_prefix(32, 4, 2, 4)
+    assert (lo, hi) == (2, 26)
+    assert np.all(g[:2] == 0)  # sinks
+    assert np.all(g[hi:] == 0)  # never quantized before a later call read them
+    assert np.all(g[lo:hi] > 0)
+    assert n == 39
+
+
+def test_fisher_importance_shapes_weighting_and_nonfinite_error(monkeypatch):
+    model = tiny_llama()
+    windows = np.stack([TOKENS, TOKENS[::-1]])
+    w, w_sq, timing = fisher.fisher_importance(model, windows, chunk=8, **RUNTIME)
+    assert w.shape == w_sq.shape == (2, 2, 2)
+    assert np.all(w > 0) and np.all(w_sq > 0)
+    assert not np.allclose(w, w_sq)  # the range weighting changes the numbers
+    w_plain, w_sq_plain, _ = fisher.fisher_importance(model, windows, chunk=8, **RUNTIME,
+                                                      range_weighted=False)
+    np.testing.assert_allclose(w_plain, w_sq_plain)
+    np.testing.assert_allclose(w_sq_plain, w_sq, rtol=1e-6)
+    assert timing["fisher_over_forward"] > 0
+
+    real = fisher.window_gradients
+
+    def poisoned(*args, **kwargs):
+        loss, grads, kv = real(*args, **kwargs)
+        grads[3] = grads[3] * float("nan")  # layer 1 values
+        return loss, grads, kv
+
+    monkeypatch.setattr(fisher, "window_gradients", poisoned)
+    with pytest.raises(FloatingPointError, match=r"layer 1 \(KV head 0, V\)"):
+        fisher.fisher_importance(model, windows, chunk=8, **RUNTIME)
+
+
+def test_noise_injection_ranks_units_like_fisher():
+    model = tiny_llama()
+    tokens = np.random.default_rng(5).integers(0, 64, size=96).astype(np.int32)
+    lay = {"mode": "runtime", "window": 8, "sinks": 2, "group_size": 8}
+    w, _, _ = fisher.fisher_importance(model, tokens[None], chunk=16, **lay)
+    units = fisher.stratified_units(w, 8)
+    noise = fisher.noise_validation(model, tokens, units, sigma=0.05, draws=3, chunk=16, **lay)
+    fw = np.array([w[u] for u in units])
+    assert fisher.spearman(fw, noise) > 0.8
+    # and ΔKL/σ² ≈ ½ w up to a modest factor (empirical vs true Fisher)
+    ratio = 2 * noise / fw
+    assert np.all((ratio > 0.1) & (ratio < 10))
+
+
+def test_spearman_and_proxy():
+    assert fisher.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert fisher.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert fisher.spearman([1, 1, 2], [1, 1, 2]) == pytest.approx(1.0)
+    stats = {"k_post.sq_mean": np.ones((2, 3, 4)), "v.sq_mean": 2 * np.ones((2, 3, 4))}
+    p = fisher.proxy_importance(stats)
+    assert p.shape == (2, 3, 2) and np.all(p[..., 0] == 4) and np.all(p[..., 1] == 8)
+
+
+# -------------------------------------------------------------------------------- distortion
+
+
+def test_key_blocks_respect_sequences_and_sinks():
+    pos = np.array([0, 1, 5, 7, 9, 11, 13, 2, 3, 4, 6, 8, 10])  # two sequences
+    idx = alloc.key_block_indices(pos, 4, sinks=2)
+    # first sequence after sinks: positions 5,7,9,11 (13 is an incomplete block), then 2,3,4,6
+    np.testing.assert_array_equal(pos[idx], [5, 7, 9, 11, 2, 3, 4, 6])
+
+
+def test_distortion_is_the_runtime_quantizers_and_fits_a_geometric_curve():
+    rng = np.random.default_rng(2)
+    n, h, d = 512, 2, 64
+    keys = rng.normal(size=(n, h, d)).astype(np.float32)
+    keys[:, 1] *= 3  # a louder head: same curve, bigger alpha
+    values = rng.normal(size=(n, h, d)).astype(np.float32)
+    pos = np.tile(np.arange(256), 2)
+    bits = kivi.SUPPORTED_BITS
+    dist = alloc.measure_distortion(mx.array(keys), mx.array(values), pos, bits, 32, 4)
+    assert dist.shape == (h, 2, len(bits))
+    assert np.all(np.diff(dist, axis=-1) < 0)
+    # the same number straight from the runtime quantizer, first sequence's blocks
+    kb = mx.array(keys[4:228].transpose(1, 0, 2))  # 224 = 7 whole blocks after 4 sinks
+    kb2 = mx.array(keys[256 + 4:256 + 228].transpose(1, 0, 2))
+    direct = []
+    for blk in (kb, kb2):
+        e = kivi.fake_quantize(blk, 3, 32, "key") - blk
+        direct.append(np.array((e * e).sum(-1)))
+    np.testing.assert_allclose(dist[:, 0, 2], np.concatenate(direct, 1).mean(1), rtol=1e-5)
+    allowed = (2, 3, 4, 8)
+    alpha, beta, r2 = alloc.fit_distortion(allowed, dist[..., [1, 2, 3, 7]])
+    assert np.all((beta > 3.5) & (beta < 5.5))  # DESIGN: 3.6-5.3 for this kind of quantizer
+    assert np.all(r2 > 0.99)
+    assert alpha[1, 0] / alpha[0, 0] == pytest.approx(9, rel=0.1)
+
+
+# ---------------------------------------------------------------------------------- allocate
+
+
+def synthetic(seed=0, shape=(6, 3, 2)):
+    rng = np.random.default_rng(seed)
+    w = np.exp(rng.normal(0, 2, size=shape))
+    alpha = np.exp(rng.normal(0, 0.5, size=shape))
+    beta = np.array([4.5, 4.3])
+    table = alpha[..., None] * beta[:, None] ** -np.array(kivi.SUPPORTED_BITS, float)
+    return w, alpha, beta, table
+
+
+@pytest.mark.parametrize("target", [2.5, 2.75, 3.0, 3.5, 4.25, 6.0, 8.5])
+def test_water_filling_meets_budget_exactly_and_prefers_important(target):
+    w, alpha, beta, table = synthetic()
+    allowed = (2, 3, 4, 8)
+    d = table[..., [1, 2, 3, 7]]
+    bits, info = alloc.allocate(w, alpha, beta, d, allowed, target, 64)
+    assert bits.shape == w.shape and set(np.unique(bits)) <= set(allowed)
+    assert info["achieved_bits"] == pytest.approx(target, abs=1e-12)  # 36 units: exact
+    assert bits.mean() + 0.5 == pytest.approx(target)
+    # with equal alpha the allocation is monotone in importance
+    flat_alpha = np.ones_like(alpha)
+    b2, _ = alloc.allocate(w, flat_alpha, beta, flat_alpha[..., None] * beta[:, None] **
+                           -np.array(allowed, float), allowed, target, 64)
+    for s in range(2):
+        order = np.argsort(w[..., s].ravel())
+        assert np.all(np.diff(b2[..., s].ravel()[order]) >= 0)
+    # and beats uniform on the objective it optimises
+    uni = alloc.uniform_allocation(w.shape, target, allowed, 64)
+    cost = lambda b: float((w * np.take_along_axis(  # noqa: E731
+        d, np.searchsorted(allowed, b)[..., None], -1)[..., 0]).sum())
+    assert cost(bits) <= cost(uni) + 1e-12
+    assert info["solve_s"] < 0.5
+
+
+def test_allocation_close_to_exact_optimum():
+    # exact multiple-choice knapsack by dynamic programming on a small problem
+    w, alpha, beta, table = synthetic(seed=4, shape=(3, 2, 2))
+    allowed = (1, 2, 3, 4, 8)
+    d = table[..., [0, 1, 2, 3, 7]]
+    bits, info = alloc.allocate(w, alpha, beta, d, allowed, 3.5, 32)
+    budget = int(round((3.5 - 1) * w.size))
+    cost = (w[..., None] * d).reshape(-1, len(allowed))
+    best = {0: 0.0}
+    for row in cost:
+        nxt = {}
+        for spent, c in best.items():
+            for b, cb in zip(allowed, row):
+                if spent + b <= budget:
+                    v = c + cb
+                    if v < nxt.get(spent + b, np.inf):
+                        nxt[spent + b] = v
+        best = nxt
+    assert info["objective"] <= best[budget] * 1.25
+    assert info["objective"] >= best[budget] * (1 - 1e-9)
+
+
+def test_uniform_allocation_is_an_interleaved_split():
+    u = alloc.uniform_allocation((30, 3, 2), 3.0, (2, 3, 4, 8), 64)
+    assert set(np.unique(u)) == {2, 3}
+    assert u[..., 0].mean() == pytest.approx(2.5) and u[..., 1].mean() == pytest.approx(2.5)
+    assert np.abs(u.mean(axis=(1, 2)) - 2.5).max() <= 0.5
+    u4 = alloc.uniform_allocation((30, 3, 2), 2.5, (2, 3, 4, 8), 64)
+    assert np.all(u4 == 2)
+
+
+def test_bad_budgets_and_shapes_are_clear_errors():
+    w, alpha, beta, table = synthetic()
+    d = table[..., [1, 2, 3, 7]]
+    with pytest.raises(ValueError, match=r"outside \[2.5, 8.5\]"):
+        alloc.allocate(w, alpha, beta, d, (2, 3, 4, 8), 2.0, 64)
+    with pytest.raises(ValueError, match=r"outside \[3, 9\]"):
+        alloc.allocate(w, alpha, beta, d, (2, 3, 4, 8), 9.5, 32)
+    with pytest.raises(ValueError, match="not supported"):
+        alloc.allocate(w, alpha, beta, d, (2, 3, 4, 9), 3.0, 64)
+    with pytest.raises(ValueError, match="not supported"):
+        alloc.check_allowed_bits([0, 2])
+    with pytest.raises(ValueError, match="at least two"):
+        alloc.check_allowed_bits([2])
+    with pytest.raises(ValueError, match="disagree"):
+        alloc.allocate(w[:5], alpha, beta, d, (2, 3, 4, 8), 3.0, 64)
+
+
+def fake_artifact(dims: ModelDims, bits=5.0, **hp_over):
+    w, alpha, beta, table = synthetic(shape=(dims.L, dims.H_kv, 2))
+    hp = {**ratequant.DEFAULTS, "bits": bits, **hp_over}
+    allowed = tuple(hp["allowed_bits"])
+    cols = [kivi.SUPPORTED_BITS.index(b) for b in allowed]
+    a, b, _ = alloc.fit_distortion(allowed, table[..., cols])
+    bits_arr, _ = alloc.allocate(w, a, b, table[..., cols], allowed, bits, hp["group_size"])
+    tensors = {"importance": w, "fisher_sq": w, "proxy_importance": alpha, "distortion": table,
+               "alpha": a, "beta": b, "bits": bits_arr.astype(np.int8)}
+    return Artifact("ratequant", tensors, hp, {})
+
+
+def test_make_caches_solves_at_load_time_and_checks_the_artifact():
+    model = tiny_llama()  # head_dim 16
+    dims = ModelDims.of(model)
+    art = fake_artifact(dims, group_size=16)
+    make = ratequant.METHOD.make_caches
+    for target in (4.5, 5.0, 6.25):  # G = 16: scale + zero cost 2 bits per element
+        caches = make(model, config(bits=target, group_size=16), art)
+        hb = np.stack([c.head_bits for c in caches])
+        assert hb.mean() + 2 == pytest.approx(target)  # overhead 32/16 = 2
+    proxy = np.stack([c.head_bits for c in make(model, config(bits=5.0, options={
+        "importance": "proxy"}), art)])
+    assert proxy.mean() + 2 == pytest.approx(5.0)
+    default = np.stack([c.head_bits for c in make(model, config(), art)])
+    np.testing.assert_array_equal(default, art.tensors["bits"])  # bits=None: the stored b̄
+    uni = make(model, config(bits=4.5, uncalibrated=True, group_size=16), None)
+    assert np.stack([c.head_bits for c in uni]).mean() + 2 == pytest.approx(4.5)
+    with pytest.raises(ValueError, match="measured with G=16"):
+        make(model, config(bits=5.0, group_size=32), art)
+    with pytest.raises(ValueError, match="artifact_dir"):
+        make(model, config(bits=5.0), None)
+    with pytest.raises(ValueError, match="outside"):
+        make(model, config(bits=12.0), art)
+    with pytest.raises(ValueError, match="unknown options"):
+        make(model, config(bits=5.0, options={"importanc": "proxy"}), art)
+    # an artifact calibrated for another model shape
+    other = fake_artifact(ModelDims(L=3, H_q=4, H_kv=2, D=16), group_size=16)
+    with pytest.raises(ValueError, match="calibrated for another model"):
+        make(model, config(bits=5.0), other)
+    bad = Artifact("ratequant", {**art.tensors, "beta": np.array([0.5, 4.0])},
+                   art.hyperparameters, {})
+    with pytest.raises(ValueError, match="beta"):
+        ratequant.check_artifact(bad, dims)
+    specs = ratequant.tensor_specs(dims, art.hyperparameters)
+    assert {k: v.shape for k, v in specs.items()}["distortion"] == (2, 2, 2, 8)
+    with pytest.raises(ValueError, match="allowed_bits"):
+        ratequant.METHOD.hyperparameters({"allowed_bits": [2, 16]})
+    with pytest.raises(ValueError, match="outside"):
+        ratequant.METHOD.hyperparameters({"bits": 2.0})
+
+
+# ------------------------------------------------------------------------- real default model
+
+
+@pytest.fixture(scope="module")
+def calibrated(smollm2, smollm2_dir, tmp_path_factory):
+    from pydoc_data.topics import topics
+    from safetensors.numpy import save_file
+
+    from veloxquant.capture import capture_activations
+
+    model, tok = smollm2
+    text = "\n\n".join(topics[k] for k in sorted(topics)[:-12])  # eval_text uses the last 12
+    ids = np.array(tok.encode(text)[: 4 * 256], dtype=np.int32).reshape(4, 256)
+    root = tmp_path_factory.mktemp("ratequant")
+    capture_activations(model, ids, root / "capture", token_budget=1024, seed=0, progress=False)
+    save_file({"tokens": ids}, str(root / "calib.safetensors"))
+    hp = ratequant.METHOD.hyperparameters({"fisher_windows": 2, "fisher_tokens": 256,
+                                           "validate_units": 0})
+    inputs = CalibrationInputs(root / "capture", smollm2_dir, root / "calib.safetensors")
+    tensors, diag = ratequant.METHOD.calibrate(inputs, ModelDims.of(model), hp, False)
+    return Artifact("ratequant", tensors, hp, diag), root
+
+
+def test_calibration_artifact_on_real_model(calibrated, smollm2, tmp_path):
+    art, _ = calibrated
+    model, _ = smollm2
+    dims = ModelDims.of(model)
+    ratequant.check_artifact(art, dims)
+    specs = ratequant.tensor_specs(dims, art.hyperparameters)
+    assert set(art.tensors) == set(specs)
+    for name, spec in specs.items():
+        assert art.tensors[name].shape == spec.shape and art.tensors[name].dtype == spec.dtype
+    assert art.diagnostics["fit_r2_min"] > 0.95
+    assert np.all((art.tensors["beta"] > 3.5) & (art.tensors["beta"] < 5.5))
+    assert art.diagnostics["allocation"]["achieved_bits"] == pytest.approx(3.0)
+    png = ratequant.write_heatmap(tmp_path / "rq.png", art.tensors["importance"],
+                                  art.tensors["bits"], "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quality_ordering_ratequant_proxy_uniform(calibrated, smollm2, eval_text):
+    """At b̄ = 3 (2.5 code bits at G = 64): KL(RateQuant) < KL(proxy) <= KL(uniform)."""
+    from veloxquant.evaluate import evaluate_rows
+
+    art, _ = calibrated
+    model, tok = smollm2
+    windows = np.array([tok.encode(eval_text)[:448]], dtype=np.int32)
+    make = ratequant.METHOD.make_caches
+    rows = [
+        {"name": "ratequant", "make": lambda m: make(m, config(bits=3.0), art)},
+        {"name": "proxy", "make": lambda m: make(m, config(bits=3.0, options={
+            "importance": "proxy"}), art)},
+        {"name": "uniform", "make": lambda m: make(m, config(bits=3.0, uncalibrated=True),
+                                                   None)},
+    ]
+    res = {r["name"]: r for r in evaluate_rows(model, windows, rows, prefill=192, chunk=64,
+                                               progress=False)}
+    bits = {n: r["kv_bits_per_element"] for n, r in res.items()}
+    assert bits["ratequant"] == pytest.approx(bits["uniform"]) == pytest.approx(bits["proxy"])
+    assert res["ratequant"]["kl"] < res["proxy"]["kl"] <= res["uniform"]["kl"]
+    assert res["ratequant"]["kl"] < 0.5 * res["uniform"]["kl"]
