@@ -70,8 +70,7 @@ def bench_em(args, model) -> None:
     dims = ModelDims.of(model)
     hp = METHOD.hyperparameters({"key_bits": args.key_bits})
     n = min(int(load_capture_info(args.capture)["n_sampled"]), hp["max_tokens"])
-    k = mx.stack([load_activations(args.capture, i, ["k_pre"])["k_pre"][:n]
-                  for i in range(dims.L)])
+    k = mx.stack([load_activations(args.capture, i, ["k_pre"])["k_pre"][:n] for i in range(dims.L)])
     k = k.transpose(0, 2, 1, 3).reshape(dims.L * dims.H_kv, n, dims.D)
     x, _ = tr.normalise(k, k.mean(axis=1))
     pairs = cb.to_pairs(x, dims.rope_traditional)
@@ -91,12 +90,15 @@ def bench_em(args, model) -> None:
     print(f"EM, {g} groups x {n} tokens, 4096 codewords:")
     print(f"  soft iteration: {fmt(soft, 1e6, ' us')} per token")
     print(f"  hard iteration: {fmt(hard, 1e6, ' us')} per token")
-    print(f"  defaults ({hp['iters']} soft + {hp['hard_iters']} hard per stage, R={r}): "
-          f"~{per_stage * g * n * r:.0f} s of EM for the model")
+    print(
+        f"  defaults ({hp['iters']} soft + {hp['hard_iters']} hard per stage, R={r}): "
+        f"~{per_stage * g * n * r:.0f} s of EM for the model"
+    )
     if args.calibrate:
         t0 = time.perf_counter()
-        METHOD.calibrate(CalibrationInputs(Path(args.capture), Path(args.model_dir)), dims, hp,
-                         progress=False)
+        METHOD.calibrate(
+            CalibrationInputs(Path(args.capture), Path(args.model_dir)), dims, hp, progress=False
+        )
         print(f"  full calibration (keys, values, diagnostics): {time.perf_counter() - t0:.0f} s")
 
 
@@ -113,11 +115,19 @@ def bench_bits(model) -> None:
             for window in (48, 16):
                 cells = []
                 for t in (1024, 4096, 32768):
-                    theta = cb.gaussian_theta(mx.random.key(0), h if share == "head" else 1, r,
-                                              d // 2)
-                    c = CommVQCache(theta, mx.zeros((h, 256, 4)), mx.zeros((h, d)),
-                                    rope_base=1e4, rope_traditional=True, value_bits=8,
-                                    value_sub_dim=4, window=window)
+                    theta = cb.gaussian_theta(
+                        mx.random.key(0), h if share == "head" else 1, r, d // 2
+                    )
+                    c = CommVQCache(
+                        theta,
+                        mx.zeros((h, 256, 4)),
+                        mx.zeros((h, d)),
+                        rope_base=1e4,
+                        rope_traditional=True,
+                        value_bits=8,
+                        value_sub_dim=4,
+                        window=window,
+                    )
                     x = mx.random.normal((1, h, t, d))
                     c.update_and_fetch(x, x)
                     cells.append(f"T={t}: {8 * c.nbytes / (2 * h * d * t):.2f}")
@@ -131,8 +141,9 @@ def filled(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 512)
     for c in caches:
         for s in range(0, n_tokens, chunk):
             m = min(chunk, n_tokens - s)
-            x = mx.array(rng.normal(size=(1, a.num_key_value_heads, m, a.head_dim))
-                         .astype(np.float32)).astype(model_dtype(model))
+            x = mx.array(
+                rng.normal(size=(1, a.num_key_value_heads, m, a.head_dim)).astype(np.float32)
+            ).astype(model_dtype(model))
             c.update_and_fetch(x, x)
         mx.eval([c.state for c in caches])
     return caches
@@ -148,8 +159,7 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
     cache = make_caches(model, config, None)[0]
     rng = np.random.default_rng(1)
     one = mx.array(rng.normal(size=(1, a.num_key_value_heads, 1, a.head_dim)).astype(np.float32))
-    chunk = mx.array(rng.normal(size=(1, a.num_key_value_heads, 64, a.head_dim))
-                     .astype(np.float32))
+    chunk = mx.array(rng.normal(size=(1, a.num_key_value_heads, 64, a.head_dim)).astype(np.float32))
     fp = filled(model, None, 1024)
     enc1, enc64, fp_step = [], [], []
     for x in (one, chunk):
@@ -165,14 +175,20 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
         step(model, fp, token)
         fp_step.append(time.perf_counter() - t0)
     n_layers = len(model.layers)
-    print(f"encode (K+V, one layer, {a.num_key_value_heads} KV heads x {a.head_dim}, "
-          f"R={cache.stages}):")
-    print(f"  1 token:        {fmt(enc1, 1e6, ' us')} per layer; x{n_layers} layers = "
-          f"{statistics.median(enc1) * n_layers * 1e3:.2f} ms/token")
+    print(
+        f"encode (K+V, one layer, {a.num_key_value_heads} KV heads x {a.head_dim}, "
+        f"R={cache.stages}):"
+    )
+    print(
+        f"  1 token:        {fmt(enc1, 1e6, ' us')} per layer; x{n_layers} layers = "
+        f"{statistics.median(enc1) * n_layers * 1e3:.2f} ms/token"
+    )
     print(f"  64-token chunk: {fmt(enc64, 1e6, ' us')} per token per layer")
-    print(f"  fp16 decode step at 1K (whole model): {fmt(fp_step, 1e3, ' ms')}; encoding one token "
-          f"in all layers = {statistics.median(enc1) * n_layers / statistics.median(fp_step):.1f}x"
-          " of it")
+    print(
+        f"  fp16 decode step at 1K (whole model): {fmt(fp_step, 1e3, ' ms')}; encoding one token "
+        f"in all layers = {statistics.median(enc1) * n_layers / statistics.median(fp_step):.1f}x"
+        " of it"
+    )
     for ctx in args.contexts:
         fp, cq = filled(model, None, ctx), filled(model, config, ctx)
         for caches in (fp, cq):
@@ -193,8 +209,9 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-dir", default="artifacts/smollm2-135m/model")
     p.add_argument("--capture", default=None, help="capture dir: time the EM on it")
     p.add_argument("--calibrate", action="store_true", help="also time a full calibration")
@@ -218,8 +235,7 @@ def main() -> None:
         return
     if args.capture:
         bench_em(args, model)
-    config = KVCacheConfig(method="commvq", uncalibrated=True,
-                           options={"key_bits": args.key_bits})
+    config = KVCacheConfig(method="commvq", uncalibrated=True, options={"key_bits": args.key_bits})
     bench_encode_and_decode(args, model, config)
 
 

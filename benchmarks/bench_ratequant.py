@@ -49,8 +49,15 @@ from veloxquant.methods.base import Artifact, CalibrationInputs, ModelDims
 
 
 def config(**kw):
-    base = {"method": "ratequant", "bits": None, "group_size": None, "window": None,
-            "sinks": None, "uncalibrated": False, "options": {}}
+    base = {
+        "method": "ratequant",
+        "bits": None,
+        "group_size": None,
+        "window": None,
+        "sinks": None,
+        "uncalibrated": False,
+        "options": {},
+    }
     return types.SimpleNamespace(**{**base, **kw})
 
 
@@ -64,8 +71,9 @@ def load_artifact(path: str | Path, importance_from: str | None = None) -> Artif
 
 
 def fmt(xs: list[float], scale: float = 1e3, unit: str = "ms") -> str:
-    return (f"{statistics.median(xs) * scale:.2f} [{min(xs) * scale:.2f}, "
-            f"{max(xs) * scale:.2f}] {unit}")
+    return (
+        f"{statistics.median(xs) * scale:.2f} [{min(xs) * scale:.2f}, {max(xs) * scale:.2f}] {unit}"
+    )
 
 
 def random_weights_model(config_json: str, dtype: mx.Dtype):
@@ -102,10 +110,18 @@ def mixed_artifact(dims: ModelDims, group_size: int = 64) -> Artifact:
     hp = {**ratequant.DEFAULTS, "group_size": group_size}
     cols = [kivi.SUPPORTED_BITS.index(b) for b in hp["allowed_bits"]]
     a, b, _ = ratequant.alloc.fit_distortion(hp["allowed_bits"], table[..., cols])
-    bits, _ = ratequant.alloc.allocate(w, a, b, table[..., cols], hp["allowed_bits"],
-                                       hp["bits"], group_size)
-    tensors = {"importance": w, "fisher_sq": w, "proxy_importance": w, "distortion": table,
-               "alpha": a, "beta": b, "bits": bits.astype(np.int8)}
+    bits, _ = ratequant.alloc.allocate(
+        w, a, b, table[..., cols], hp["allowed_bits"], hp["bits"], group_size
+    )
+    tensors = {
+        "importance": w,
+        "fisher_sq": w,
+        "proxy_importance": w,
+        "distortion": table,
+        "alpha": a,
+        "beta": b,
+        "bits": bits.astype(np.int8),
+    }
     return Artifact("ratequant", tensors, hp, {})
 
 
@@ -117,19 +133,33 @@ def cmd_check(args) -> None:
     dims = ModelDims.of(model)
     art = load_artifact(args.rq) if args.rq else mixed_artifact(dims)
     make = ratequant.METHOD.make_caches
-    print("backend:", "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else
-          "metal" if mx.metal.is_available() else "cpu", "| dtype", args.dtype or "float32")
-    tokens = mx.array(np.random.default_rng(0).integers(
-        0, model.args.vocab_size, size=(1, args.tokens)).astype(np.int32))
+    print(
+        "backend:",
+        "cuda"
+        if hasattr(mx, "cuda") and mx.cuda.is_available()
+        else "metal"
+        if mx.metal.is_available()
+        else "cpu",
+        "| dtype",
+        args.dtype or "float32",
+    )
+    tokens = mx.array(
+        np.random.default_rng(0)
+        .integers(0, model.args.vocab_size, size=(1, args.tokens))
+        .astype(np.int32)
+    )
     outs = {}
     for name in ("fp KVCache", "RateQuant fused", "RateQuant pure"):
         kivi.USE_MX_DEQUANTIZE = name != "RateQuant pure"
-        caches = ([KVCache() for _ in model.layers] if name == "fp KVCache"
-                  else make(model, config(bits=args.bits), art))
+        caches = (
+            [KVCache() for _ in model.layers]
+            if name == "fp KVCache"
+            else make(model, config(bits=args.bits), art)
+        )
         model(tokens[:, : args.tokens // 2], cache=caches)  # prefill: quantizes most of it
         logits = []
         for t in range(args.tokens // 2, args.tokens):  # decode one token at a time
-            logits.append(model(tokens[:, t:t + 1], cache=caches)[0, -1].astype(mx.float32))
+            logits.append(model(tokens[:, t : t + 1], cache=caches)[0, -1].astype(mx.float32))
         outs[name] = mx.stack(logits)
         mx.eval(outs[name])
         if name != "fp KVCache":
@@ -155,15 +185,20 @@ def cmd_calibrate(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     hp = ratequant.METHOD.hyperparameters(json.loads(args.hp))
     dims = ModelDims.of(root / "model")
-    inputs = CalibrationInputs(root / "activations", root / "model",
-                               root / "data" / "calib.safetensors")
+    inputs = CalibrationInputs(
+        root / "activations", root / "model", root / "data" / "calib.safetensors"
+    )
     t0 = time.perf_counter()
     tensors, diag = ratequant.METHOD.calibrate(inputs, dims, hp, True)
     diag["total_s"] = time.perf_counter() - t0
     np.savez(out / "tensors.npz", **tensors)
     (out / "info.json").write_text(json.dumps({"hp": hp, "diag": diag}, indent=1))
-    ratequant.write_heatmap(out / "ratequant_heatmap.png", tensors["importance"],
-                            tensors["bits"], f"RateQuant importance and bits at b̄={hp['bits']}")
+    ratequant.write_heatmap(
+        out / "ratequant_heatmap.png",
+        tensors["importance"],
+        tensors["bits"],
+        f"RateQuant importance and bits at b̄={hp['bits']}",
+    )
     short = {k: v for k, v in diag.items() if k != "fit_r2"}
     print(json.dumps(short, indent=1))
 
@@ -182,20 +217,40 @@ def cmd_eval(args) -> None:
     make = ratequant.METHOD.make_caches
     rows = []
     for b in args.kivi_bits:
-        rows.append({"name": f"kivi{b}-g32", "make": lambda m, b=b: kivi.METHOD.make_caches(
-            m, config(method="kivi", bits=b, group_size=32), None)})
+        rows.append(
+            {
+                "name": f"kivi{b}-g32",
+                "make": lambda m, b=b: kivi.METHOD.make_caches(
+                    m, config(method="kivi", bits=b, group_size=32), None
+                ),
+            }
+        )
     for b in args.mlx_bits:
-        rows.append({"name": f"mlx-q{b}-g64", "make": lambda m, b=b: [
-            QuantizedKVCache(group_size=64, bits=b) for _ in m.layers]})
+        rows.append(
+            {
+                "name": f"mlx-q{b}-g64",
+                "make": lambda m, b=b: [QuantizedKVCache(group_size=64, bits=b) for _ in m.layers],
+            }
+        )
     for bbar in args.bits:
         opts = {"allowed_bits": args.low_allowed} if bbar < 2.5 else {}
         rows += [
-            {"name": f"ratequant-{bbar:g}", "make": lambda m, b=bbar, o=opts: make(
-                m, config(bits=b, options=dict(o)), art)},
-            {"name": f"uniform-{bbar:g}", "make": lambda m, b=bbar, o=opts: make(
-                m, config(bits=b, uncalibrated=True, options=dict(o)), None)},
-            {"name": f"proxy-{bbar:g}", "make": lambda m, b=bbar, o=opts: make(
-                m, config(bits=b, options={"importance": "proxy", **o}), art)},
+            {
+                "name": f"ratequant-{bbar:g}",
+                "make": lambda m, b=bbar, o=opts: make(m, config(bits=b, options=dict(o)), art),
+            },
+            {
+                "name": f"uniform-{bbar:g}",
+                "make": lambda m, b=bbar, o=opts: make(
+                    m, config(bits=b, uncalibrated=True, options=dict(o)), None
+                ),
+            },
+            {
+                "name": f"proxy-{bbar:g}",
+                "make": lambda m, b=bbar, o=opts: make(
+                    m, config(bits=b, options={"importance": "proxy", **o}), art
+                ),
+            },
         ]
     for spec in args.ablation:
         name, _, path = spec.partition("=")
@@ -203,30 +258,52 @@ def cmd_eval(args) -> None:
         abl = load_artifact(source, field or None)
         for bbar in args.ablation_bits:
             opts = {"allowed_bits": args.low_allowed} if bbar < 2.5 else {}
-            rows.append({"name": f"{name}-{bbar:g}", "make": lambda m, b=bbar, a=abl, o=opts:
-                         make(m, config(bits=b, options=dict(o)), a)})
+            rows.append(
+                {
+                    "name": f"{name}-{bbar:g}",
+                    "make": lambda m, b=bbar, a=abl, o=opts: make(
+                        m, config(bits=b, options=dict(o)), a
+                    ),
+                }
+            )
     t0 = time.perf_counter()
-    res = evaluate_rows(model, windows, rows, prefill=args.prefill, chunk=args.chunk,
-                        progress=True)
-    print(f"# {len(windows)} held-out windows x {windows.shape[1]} tokens, prefill "
-          f"{args.prefill}, chunk {args.chunk}; fp16 ppl {res[0]['ppl_ref']:.4f}; "
-          f"{time.perf_counter() - t0:.0f} s")
+    res = evaluate_rows(model, windows, rows, prefill=args.prefill, chunk=args.chunk, progress=True)
+    print(
+        f"# {len(windows)} held-out windows x {windows.shape[1]} tokens, prefill "
+        f"{args.prefill}, chunk {args.chunk}; fp16 ppl {res[0]['ppl_ref']:.4f}; "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
     ref = res[0]["ppl_ref"]
     by = {r["name"]: r for r in res}
-    print(f"{'row':24s} {'ppl':>8s} {'x fp16':>7s} {'KL':>8s} {'top1':>6s} {'bits/el':>7s} "
-          f"{'excess removed vs uniform':>26s}")
+    print(
+        f"{'row':24s} {'ppl':>8s} {'x fp16':>7s} {'KL':>8s} {'top1':>6s} {'bits/el':>7s} "
+        f"{'excess removed vs uniform':>26s}"
+    )
     for r in res:
         removed = ""
-        if r["name"].startswith(("ratequant-", "proxy-")) or "-" in r["name"] and \
-                r["name"].rsplit("-", 1)[0] in [a.partition("=")[0] for a in args.ablation]:
+        if (
+            r["name"].startswith(("ratequant-", "proxy-"))
+            or "-" in r["name"]
+            and r["name"].rsplit("-", 1)[0] in [a.partition("=")[0] for a in args.ablation]
+        ):
             uni = by.get("uniform-" + r["name"].rsplit("-", 1)[1])
             if uni:
                 removed = f"{100 * (1 - (r['ppl'] - ref) / (uni['ppl'] - ref)):.0f}%"
-        print(f"{r['name']:24s} {r['ppl']:8.3f} {r['ppl_ratio']:7.4f} {r['kl']:8.4f} "
-              f"{r['top1']:6.3f} {r['kv_bits_per_element']:7.3f} {removed:>26s}")
+        print(
+            f"{r['name']:24s} {r['ppl']:8.3f} {r['ppl_ratio']:7.4f} {r['kl']:8.4f} "
+            f"{r['top1']:6.3f} {r['kv_bits_per_element']:7.3f} {removed:>26s}"
+        )
     if args.csv:
-        keys = ["name", "ppl", "ppl_ratio", "kl", "top1", "kv_bits_per_element", "ppl_ref",
-                "n_windows"]
+        keys = [
+            "name",
+            "ppl",
+            "ppl_ratio",
+            "kl",
+            "top1",
+            "kv_bits_per_element",
+            "ppl_ref",
+            "n_windows",
+        ]
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             w.writeheader()
@@ -258,14 +335,16 @@ def cmd_truth(args) -> None:
         for b in args.unit_bits:
             a = base.copy()
             a[u] = b
-            rows.append({"name": f"{u}-{b}", "make": lambda m, a=a: kivi.build_caches(
-                a, g, window, sinks)})
-    res = evaluate_rows(model, windows, rows, prefill=args.prefill, chunk=args.chunk,
-                        progress=True)
+            rows.append(
+                {"name": f"{u}-{b}", "make": lambda m, a=a: kivi.build_caches(a, g, window, sinks)}
+            )
+    res = evaluate_rows(model, windows, rows, prefill=args.prefill, chunk=args.chunk, progress=True)
     kl = {r["name"]: r["kl"] for r in res}
     table = np.asarray(art.tensors["distortion"], np.float64)
-    print(f"# {len(units)} units, {len(windows)} held-out windows, prefill {args.prefill}, "
-          f"chunk {args.chunk}; ΔKL against all units at 8 bits (KL {kl['all8']:.2e})")
+    print(
+        f"# {len(units)} units, {len(windows)} held-out windows, prefill {args.prefill}, "
+        f"chunk {args.chunk}; ΔKL against all units at 8 bits (KL {kl['all8']:.2e})"
+    )
     for b in args.unit_bits:
         truth = np.array([kl[f"{u}-{b}"] - kl["all8"] for u in units])
         col = kivi.SUPPORTED_BITS.index(b)
@@ -286,15 +365,21 @@ def cmd_cost(args) -> None:
     model, _ = load_model(root / "model")
     tokens = mx.array(load_tokens(root / "data" / "calib.safetensors")[0, : args.tokens])
     hp = ratequant.DEFAULTS
-    layout = {"mode": "runtime", "window": hp["window"], "sinks": hp["sinks"],
-              "group_size": hp["group_size"]}
+    layout = {
+        "mode": "runtime",
+        "window": hp["window"],
+        "sinks": hp["sinks"],
+        "group_size": hp["group_size"],
+    }
     none = [None] * (2 * len(model.layers))
     arms = {
         "forward, one call": lambda: mx.eval(fisher.window_nll(model, tokens, none)[0]),
-        "forward, chunks of 64": lambda: mx.eval(fisher.window_nll(
-            model, tokens, none, hp["fisher_chunk"], **layout)[0]),
+        "forward, chunks of 64": lambda: mx.eval(
+            fisher.window_nll(model, tokens, none, hp["fisher_chunk"], **layout)[0]
+        ),
         "Fisher pass (runtime, chunks of 64)": lambda: fisher.window_gradients(
-            model, tokens, hp["fisher_chunk"], **layout),
+            model, tokens, hp["fisher_chunk"], **layout
+        ),
         "Fisher pass (plain, one call)": lambda: fisher.window_gradients(model, tokens),
     }
     times = {k: [] for k in arms}
@@ -308,7 +393,7 @@ def cmd_cost(args) -> None:
     base = times["forward, one call"]
     print(f"{args.tokens}-token window, {args.repeats} interleaved repeats:")
     for name, ts in times.items():
-        ratio = [t / b for t, b in zip(ts, base)]
+        ratio = [t / b for t, b in zip(ts, base, strict=True)]
         print(f"  {name:38s} {fmt(ts, 1, 's')}   x forward {fmt(ratio, 1, '')}")
 
 
@@ -331,8 +416,9 @@ def cmd_decode(args) -> None:
 
     arms = {
         "fp16 KVCache": lambda: [KVCache() for _ in model.layers],
-        f"uniform KIVI b̄={args.bits:g}": lambda: make(model, config(bits=args.bits,
-                                                                     uncalibrated=True), None),
+        f"uniform KIVI b̄={args.bits:g}": lambda: make(
+            model, config(bits=args.bits, uncalibrated=True), None
+        ),
         f"RateQuant b̄={args.bits:g}": lambda: make(model, config(bits=args.bits), art),
         "RateQuant, pure unpack": lambda: make(model, config(bits=args.bits), art),
     }
@@ -366,13 +452,17 @@ def cmd_decode(args) -> None:
             step(name, c)
             times[name].append(time.perf_counter() - t0)
     base = times["fp16 KVCache"]
-    print(f"decode step, context {args.context} (+{args.repeats} steps), {args.repeats} "
-          "interleaved repeats:")
+    print(
+        f"decode step, context {args.context} (+{args.repeats} steps), {args.repeats} "
+        "interleaved repeats:"
+    )
     for name, ts in times.items():
-        ratio = [t / b for t, b in zip(ts, base)]
+        ratio = [t / b for t, b in zip(ts, base, strict=True)]
         nbytes = sum(layer.nbytes for layer in caches[name])
-        print(f"  {name:24s} {fmt(ts)}   x fp16 {fmt(ratio, 1, '')}   resident "
-              f"{nbytes / 2**20:.2f} MiB")
+        print(
+            f"  {name:24s} {fmt(ts)}   x fp16 {fmt(ratio, 1, '')}   resident "
+            f"{nbytes / 2**20:.2f} MiB"
+        )
 
 
 def main(argv=None) -> None:
@@ -391,10 +481,19 @@ def main(argv=None) -> None:
     e.add_argument("--bits", type=float, nargs="*", default=[2.0, 2.5, 3.0, 4.0])
     e.add_argument("--kivi-bits", type=int, nargs="*", default=[2, 3, 4])
     e.add_argument("--mlx-bits", type=int, nargs="*", default=[2, 4])
-    e.add_argument("--low-allowed", type=int, nargs="*", default=[1, 2, 3, 4, 8],
-                   help="allowed widths for b̄ < 2.5 (needs 1-bit at G=64)")
-    e.add_argument("--ablation", nargs="*", default=[],
-                   help="NAME=DIR[:tensor] artifacts to allocate from (tensor replaces importance)")
+    e.add_argument(
+        "--low-allowed",
+        type=int,
+        nargs="*",
+        default=[1, 2, 3, 4, 8],
+        help="allowed widths for b̄ < 2.5 (needs 1-bit at G=64)",
+    )
+    e.add_argument(
+        "--ablation",
+        nargs="*",
+        default=[],
+        help="NAME=DIR[:tensor] artifacts to allocate from (tensor replaces importance)",
+    )
     e.add_argument("--ablation-bits", type=float, nargs="*", default=[3.0])
     e.add_argument("--csv")
     t = sub.add_parser("truth")
@@ -413,19 +512,31 @@ def main(argv=None) -> None:
     for name in ("check", "decode"):
         x = sub.add_parser(name)
         x.add_argument("--artifacts", help="the model dir's parent (real weights)")
-        x.add_argument("--random-weights", metavar="CONFIG_JSON",
-                       help="build the model from a config.json with random weights")
+        x.add_argument(
+            "--random-weights",
+            metavar="CONFIG_JSON",
+            help="build the model from a config.json with random weights",
+        )
         x.add_argument("--dtype", help="e.g. float16 or bfloat16 (default: float32)")
-        x.add_argument("--rq", help="RateQuant artifact dir (default: a synthetic mixed "
-                                    "allocation of the model's shape)")
+        x.add_argument(
+            "--rq",
+            help="RateQuant artifact dir (default: a synthetic mixed "
+            "allocation of the model's shape)",
+        )
         x.add_argument("--bits", type=float, default=3.0)
     sub.choices["check"].add_argument("--tokens", type=int, default=256)
     d = sub.choices["decode"]
     d.add_argument("--context", type=int, default=1024)
     d.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
-    {"calibrate": cmd_calibrate, "eval": cmd_eval, "truth": cmd_truth,
-     "cost": cmd_cost, "check": cmd_check, "decode": cmd_decode}[args.cmd](args)
+    {
+        "calibrate": cmd_calibrate,
+        "eval": cmd_eval,
+        "truth": cmd_truth,
+        "cost": cmd_cost,
+        "check": cmd_check,
+        "decode": cmd_decode,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -50,18 +50,24 @@ def calibrate(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     tensors, diag = METHOD.calibrate(
         CalibrationInputs(args.artifacts / "activations", args.artifacts / "model"),
-        ModelDims.of(args.artifacts / "model"), hp, progress=True)
+        ModelDims.of(args.artifacts / "model"),
+        hp,
+        progress=True,
+    )
     wall = time.perf_counter() - t0
     mx.save_safetensors(str(out / "tensors.safetensors"), tensors)
     (out / "info.json").write_text(json.dumps({"hp": hp, "diag": diag, "wall_s": wall}, indent=1))
-    print(f"{args.name}: {wall:.0f} s, held-out key rel err {diag['stage_key_rel_err'][-1]:.4f}, "
-          f"logit rel err {diag['stage_logit_rel_err'][-1]:.4f}")
+    print(
+        f"{args.name}: {wall:.0f} s, held-out key rel err {diag['stage_key_rel_err'][-1]:.4f}, "
+        f"logit rel err {diag['stage_logit_rel_err'][-1]:.4f}"
+    )
 
 
 def _artifact(out: Path, name: str) -> Artifact:
     info = json.loads((out / name / "info.json").read_text())
-    return Artifact("commvq", mx.load(str(out / name / "tensors.safetensors")), info["hp"],
-                    info["diag"])
+    return Artifact(
+        "commvq", mx.load(str(out / name / "tensors.safetensors")), info["hp"], info["diag"]
+    )
 
 
 def _knobs(parts: list[str]) -> dict[str, int]:
@@ -101,19 +107,37 @@ def _row(args: argparse.Namespace, spec: str) -> dict:
         return {"name": spec, "make": lambda m: make_caches(m, cfg, art)}
     if parts[0] == "unc":
         o = _knobs(parts[2:])
-        cfg = KVCacheConfig(method="commvq", uncalibrated=True, window=o.get("window"),
-                            sinks=o.get("sinks"), options={"key_bits": int(parts[1])})
+        cfg = KVCacheConfig(
+            method="commvq",
+            uncalibrated=True,
+            window=o.get("window"),
+            sinks=o.get("sinks"),
+            options={"key_bits": int(parts[1])},
+        )
         return {"name": spec, "make": lambda m: make_caches(m, cfg, None)}
     if parts[0] == "pq":
         sub, bits, center = int(parts[1]), int(parts[2]), parts[3] == "1"
-        books, art, o = _pq_codebooks(args, sub, bits, center), _artifact(out, parts[4]), \
-            _knobs(parts[5:])
+        books, art, o = (
+            _pq_codebooks(args, sub, bits, center),
+            _artifact(out, parts[4]),
+            _knobs(parts[5:]),
+        )
         hp = art.hyperparameters
-        return {"name": spec, "make": lambda m: pq_baseline.make_caches(
-            m, books["key_codebook"], art.tensors["value_codebook"], books.get("key_mean"),
-            key_bits=bits, key_sub_dim=sub, value_bits=hp["value_bits"],
-            value_sub_dim=hp["value_sub_dim"], window=o.get("window", 48),
-            sinks=o.get("sinks", 4))}
+        return {
+            "name": spec,
+            "make": lambda m: pq_baseline.make_caches(
+                m,
+                books["key_codebook"],
+                art.tensors["value_codebook"],
+                books.get("key_mean"),
+                key_bits=bits,
+                key_sub_dim=sub,
+                value_bits=hp["value_bits"],
+                value_sub_dim=hp["value_sub_dim"],
+                window=o.get("window", 48),
+                sinks=o.get("sinks", 4),
+            ),
+        }
     if parts[0] == "vecinfer":
         return {"name": spec, "method": "vecinfer", "artifact_dir": str(args.artifacts / "bundle")}
     if parts[0] == "fp16":
@@ -131,14 +155,17 @@ def evaluate(args: argparse.Namespace) -> None:
     rows = [_row(args, s) for s in args.rows]
     t0 = time.perf_counter()
     results = evaluate_rows(model, windows, rows, prefill=512, chunk=64, progress=False)
-    print(f"evaluated {len(rows)} rows x {len(windows)} windows in "
-          f"{time.perf_counter() - t0:.0f} s")
+    print(
+        f"evaluated {len(rows)} rows x {len(windows)} windows in {time.perf_counter() - t0:.0f} s"
+    )
     keep = ("name", "ppl", "ppl_ratio", "kl", "top1", "kv_bits_per_element", "ppl_ref")
     for r in results:
-        print("  ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}"
-                        for k in keep))
+        print(
+            "  ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keep)
+        )
     (Path(args.out) / "eval.json").write_text(
-        json.dumps([{k: r[k] for k in keep} for r in results], indent=1))
+        json.dumps([{k: r[k] for k in keep} for r in results], indent=1)
+    )
 
 
 def main() -> None:

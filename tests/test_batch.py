@@ -84,8 +84,8 @@ def test_batch_generate_equals_one_at_a_time(method, tiny):
     for prompt, got, n in zip(prompts, res.caches, MAX_TOKENS, strict=True):
         assert all(type(c) in ours for c in got)  # never swapped for an uncompressed cache
         assert got[0].offset == len(prompt) + n  # the last token is fed too
-        if len(prompt) > 24:  # it compressed: evicted, or coded (VecInfer)
-            assert got[0].size() < got[0].offset or got[0].key_codes is not None
+        if len(prompt) == max(LENGTHS):  # it compressed: evicted or coded (KIVI in blocks of G)
+            assert got[0].compressed_tokens > 0
     assert all(c[0].offset == 0 for c in caches)  # the batch worked on copies
 
 

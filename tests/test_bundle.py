@@ -659,10 +659,9 @@ def test_manifest_symlink_out_of_the_bundle(bundle, tmp_path):
 
 
 def test_uncalibrated_with_artifact_dir_is_contradictory(bundle, smollm2):
-    model, _ = smollm2
-    cfg = KVCacheConfig(method="qfilters", budget=64, uncalibrated=True, artifact_dir=str(bundle))
+    # refused as soon as the config is built, before any cache or bundle is touched
     with pytest.raises(ValueError, match=r"uncalibrated=True, artifact_dir=.* is contradictory"):
-        make_cache(model, cfg)
+        KVCacheConfig(method="qfilters", budget=64, uncalibrated=True, artifact_dir=str(bundle))
 
 
 def test_two_copies_of_one_model_are_one_model(bundle, model_fp, tmp_path):

@@ -127,8 +127,9 @@ def test_separable_encoding_equals_brute_force():
     np.testing.assert_allclose(np.array(err), np.array(d2.min(axis=-1)), rtol=1e-4, atol=1e-5)
     # codeword_pairs picks exactly the enumerated codeword
     picked = mx.take_along_axis(every, codes.astype(mx.int32)[..., None, None], axis=1)
-    np.testing.assert_allclose(np.array(cb.codeword_pairs(theta, codes)), np.array(picked),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.array(cb.codeword_pairs(theta, codes)), np.array(picked), atol=1e-6
+    )
     # the greedy residual encoder = brute force stage by stage
     theta2 = random_theta(7, g, 2, p)
     codes2, residual = cb.encode_residual(x, theta2)
@@ -202,8 +203,16 @@ def test_em_lowers_error_and_is_deterministic():
     assert np.array_equal(np.array(mu_a), np.array(mu_b))
     for hist in diag["em_history"]:
         assert hist[-1] < 0.8 * hist[0], hist  # the final θ beats its initialisation
-    init = mx.stack([tr.init_stage(mx.random.split(mx.random.key(0), 2)[0],
-                                   cb.to_pairs(tr.normalise(train, mu_a)[0], True), 0)], axis=1)
+    init = mx.stack(
+        [
+            tr.init_stage(
+                mx.random.split(mx.random.key(0), 2)[0],
+                cb.to_pairs(tr.normalise(train, mu_a)[0], True),
+                0,
+            )
+        ],
+        axis=1,
+    )
     rel = {}
     for name, th in (("em", theta_a[:, :1]), ("init", init)):
         e = held - tr.reconstruct_keys(held, th, mu_a, True)[-1]
@@ -217,15 +226,25 @@ def test_em_lowers_error_and_is_deterministic():
 # ------------------------------------------------------------------------------- the cache
 
 
-def small_cache(traditional: bool, *, r: int = 3, window: int = 5, sinks: int = 2,
-                center: bool = True) -> CommVQCache:
+def small_cache(
+    traditional: bool, *, r: int = 3, window: int = 5, sinks: int = 2, center: bool = True
+) -> CommVQCache:
     h, d = 2, 16
     theta = random_theta(11, h, r, d // 2)
     vbook = mx.random.normal((h, 16, 4), key=mx.random.key(12))
     mean = mx.random.normal((h, d), key=mx.random.key(13)) if center else None
-    return CommVQCache(theta, vbook, mean, rope_base=1e4, rope_traditional=traditional,
-                       rope_scale=1.0, value_bits=4, value_sub_dim=4, window=window,
-                       sinks=sinks)
+    return CommVQCache(
+        theta,
+        vbook,
+        mean,
+        rope_base=1e4,
+        rope_traditional=traditional,
+        rope_scale=1.0,
+        value_bits=4,
+        value_sub_dim=4,
+        window=window,
+        sinks=sinks,
+    )
 
 
 def feed(cache, chunks, seed=14, d=16, h=2):
@@ -247,21 +266,27 @@ def test_cache_sinks_window_exact_and_coded_keys_are_rope_of_decoded_codes(tradi
     total, sinks, window = 16, 2, 5
     ok, ov = outs[-1]
     assert ok.shape == (1, 2, total, 16) and cache.offset == total and cache.size() == total
-    f16 = lambda a: np.array(a.astype(mx.float16).astype(mx.float32))
+
+    def f16(a):
+        return np.array(a.astype(mx.float16).astype(mx.float32))
+
     np.testing.assert_array_equal(np.array(ok[:, :, :sinks]), f16(k[:, :, :sinks]))
     np.testing.assert_array_equal(np.array(ov[:, :, :sinks]), f16(v[:, :, :sinks]))
     # the last call's own token is exact, the window before it fp16
     np.testing.assert_array_equal(np.array(ok[:, :, -1]), np.array(k[:, :, -1]))
-    np.testing.assert_array_equal(np.array(ok[:, :, -window - 1 : -1]),
-                                  f16(k[:, :, -window - 1 : -1]))
+    np.testing.assert_array_equal(
+        np.array(ok[:, :, -window - 1 : -1]), f16(k[:, :, -window - 1 : -1])
+    )
     n_coded = total - 1 - sinks - window
     assert cache.key_codes.shape[2] == total - sinks - window
     # coded keys: RoPE at their positions of μ + s·Σ codewords, decoded here independently
     codes = unpack12(cache.key_codes, 3)[0]  # [H, C, R]
     theta = cache.theta.astype(mx.float32)
     every = cb.all_codewords(theta.reshape(-1, *theta.shape[2:])).reshape(2, 3, 4096, 8, 2)
-    pairs = sum(mx.take_along_axis(every[:, r], codes[..., r].astype(mx.int32)[..., None, None],
-                                   axis=1) for r in range(3))
+    pairs = sum(
+        mx.take_along_axis(every[:, r], codes[..., r].astype(mx.int32)[..., None, None], axis=1)
+        for r in range(3)
+    )
     pre = cb.from_pairs(pairs, traditional) * cache.key_scales[0].astype(mx.float32)[..., None]
     pre = pre + cache.key_mean[:, None]
     positions = mx.arange(sinks, sinks + pre.shape[1])
@@ -277,22 +302,22 @@ def test_cache_nbytes_offsets_masks_and_contract():
     cache = small_cache(True, r=3, window=5, sinks=2)
     feed(cache, [9, 1, 1])
     h, d, r, c = 2, 16, 3, 11 - 2 - 5
-    want = (c * h * key_code_bytes(r)  # codes
-            + c * h * 2  # fp16 scales
-            + c * h * (d // 4) * 4 // 8  # value codes, 4-bit codes of 4 dims
-            + 2 * (2 + 5) * h * d * 2  # fp16 sinks and window, K and V
-            + h * r * (d // 2) * 64 * 2 * 2  # fp16 θ
-            + h * 16 * 4 * 2  # fp16 value codebook
-            + h * d * 4)  # f32 μ
+    want = (
+        c * h * key_code_bytes(r)  # codes
+        + c * h * 2  # fp16 scales
+        + c * h * (d // 4) * 4 // 8  # value codes, 4-bit codes of 4 dims
+        + 2 * (2 + 5) * h * d * 2  # fp16 sinks and window, K and V
+        + h * r * (d // 2) * 64 * 2 * 2  # fp16 θ
+        + h * 16 * 4 * 2  # fp16 value codebook
+        + h * d * 4
+    )  # f32 μ
     assert cache.nbytes == want
     assert cache.offset == 11 and cache.size() == 11
     mask = cache.make_mask(3, return_array=True)
     expected = np.concatenate([np.ones((3, 11), bool), np.tril(np.ones((3, 3), bool))], axis=1)
     np.testing.assert_array_equal(np.array(mask), expected)
     assert cache.make_mask(1) is None
-    assert not hasattr(cache, "bits") and not hasattr(cache, "to_quantized")
-    with pytest.raises(NotImplementedError, match="cannot be merged"):
-        CommVQCache.merge([cache])
+    # the rest of the mlx-lm contract (bits, to_quantized, merge, state): tests/test_contract.py
 
 
 # ------------------------------------------------------------------------------- models
@@ -302,11 +327,20 @@ VOCAB = 128
 
 def tiny_llama(scaling=None) -> nn.Module:
     mx.random.seed(1)
-    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
-                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                           rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0,
-                           rope_traditional=True, tie_word_embeddings=False,
-                           rope_scaling=scaling)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        rope_theta=10000.0,
+        rope_traditional=True,
+        tie_word_embeddings=False,
+        rope_scaling=scaling,
+    )
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
@@ -314,10 +348,20 @@ def tiny_llama(scaling=None) -> nn.Module:
 
 def tiny_qwen3() -> nn.Module:
     mx.random.seed(2)
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=128, num_hidden_layers=2,
-                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                           rms_norm_eps=1e-6, vocab_size=VOCAB, max_position_embeddings=512,
-                           head_dim=32, tie_word_embeddings=True, rope_theta=1e6)
+    args = qwen3.ModelArgs(
+        model_type="qwen3",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        head_dim=32,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    )
     model = qwen3.Model(args)
     for layer in model.layers:  # a non-trivial k_norm, and a key mean
         layer.self_attn.k_norm.weight = mx.random.uniform(0.5, 2.0, (32,))
@@ -351,10 +395,10 @@ def tiny_bundle(request, tmp_path_factory):
 
     model = tiny_llama() if request.param == "llama" else tiny_qwen3()
     out = tmp_path_factory.mktemp(f"capture_{request.param}")
-    capture_activations(model, _tokens(8, 128, seed=3), out, token_budget=1024, seed=0,
-                        progress=False)
-    hp = METHOD.hyperparameters({"iters": 2, "hard_iters": 2, "max_tokens": 800,
-                                 "value_iters": 6})
+    capture_activations(
+        model, _tokens(8, 128, seed=3), out, token_budget=1024, seed=0, progress=False
+    )
+    hp = METHOD.hyperparameters({"iters": 2, "hard_iters": 2, "max_tokens": 800, "value_iters": 6})
     dims = ModelDims.of(model)
     tensors, diag = METHOD.calibrate(CalibrationInputs(out, out), dims, hp, progress=False)
     artifact = Artifact("commvq", tensors, hp, diag)
@@ -368,27 +412,46 @@ def test_tiny_models_calibrated_beats_uncalibrated_and_plain_pq(tiny_bundle):
     dims = ModelDims.of(model)
     assert artifact.diagnostics["pair_layout"] == cb.layout_name(dims.rope_traditional)
     specs = METHOD.tensor_specs(dims, artifact.hyperparameters)
-    assert {k: tuple(v.shape) for k, v in artifact.tensors.items()} == \
-        {k: s.shape for k, s in specs.items()}
+    assert {k: tuple(v.shape) for k, v in artifact.tensors.items()} == {
+        k: s.shape for k, s in specs.items()
+    }
     tokens = _tokens(1, 144, seed=7)
     cfg = KVCacheConfig(method="commvq", window=8, sinks=2)
     kl_cal, caches = _kl_vs_fp16(model, lambda m: make_caches(m, cfg, artifact), tokens)
-    kl_unc, _ = _kl_vs_fp16(model, lambda m: make_caches(
-        m, KVCacheConfig(method="commvq", uncalibrated=True, window=8, sinks=2), None), tokens)
+    kl_unc, _ = _kl_vs_fp16(
+        model,
+        lambda m: make_caches(
+            m, KVCacheConfig(method="commvq", uncalibrated=True, window=8, sinks=2), None
+        ),
+        tokens,
+    )
 
     from veloxquant.capture import load_activations
 
     # plain PQ on pre-RoPE keys at the same key code bits (d = 6 would be 12 bits per 6 dims;
     # use d4b8 = 2 bits per element, as upstream), same values, window and sinks
-    k = mx.stack([load_activations(capture, i, ["k_pre"])["k_pre"]
-                  for i in range(dims.L)]).transpose(0, 2, 1, 3)
-    kb, mu = pq_baseline.train_prerope_pq(k.reshape(-1, *k.shape[2:]), 4, 8, center=True,
-                                          iters=8)
+    k = mx.stack(
+        [load_activations(capture, i, ["k_pre"])["k_pre"] for i in range(dims.L)]
+    ).transpose(0, 2, 1, 3)
+    kb, mu = pq_baseline.train_prerope_pq(k.reshape(-1, *k.shape[2:]), 4, 8, center=True, iters=8)
     kb = kb.reshape(dims.L, dims.H_kv, *kb.shape[1:])
     mu = mu.reshape(dims.L, dims.H_kv, dims.D)
-    kl_pq, _ = _kl_vs_fp16(model, lambda m: pq_baseline.make_caches(
-        m, kb, artifact.tensors["value_codebook"], mu, key_bits=8, key_sub_dim=4,
-        value_bits=8, value_sub_dim=4, window=8, sinks=2), tokens)
+    kl_pq, _ = _kl_vs_fp16(
+        model,
+        lambda m: pq_baseline.make_caches(
+            m,
+            kb,
+            artifact.tensors["value_codebook"],
+            mu,
+            key_bits=8,
+            key_sub_dim=4,
+            value_bits=8,
+            value_sub_dim=4,
+            window=8,
+            sinks=2,
+        ),
+        tokens,
+    )
     assert kl_cal < 0.05, kl_cal
     assert kl_cal < 0.5 * kl_unc, (kl_cal, kl_unc)
     assert kl_cal < kl_pq, (kl_cal, kl_pq)
@@ -422,8 +485,9 @@ def test_save_and_load_prompt_cache_round_trip(tiny_bundle, tmp_path):
     assert [type(c) for c in loaded] == [CommVQCache] * len(caches)
     assert loaded[0].offset == 40 and loaded[0].nbytes == caches[0].nbytes
     nxt = mx.array(_tokens(1, 1, seed=9))
-    np.testing.assert_array_equal(np.array(model(nxt, cache=caches)),
-                                  np.array(model(nxt, cache=loaded)))
+    np.testing.assert_array_equal(
+        np.array(model(nxt, cache=caches)), np.array(model(nxt, cache=loaded))
+    )
 
 
 # ------------------------------------------------------------------------------- bad input
@@ -435,12 +499,21 @@ def test_bad_rope_and_head_dim():
     with pytest.raises(ValueError, match="partial rotary"):
         rope_params(ModelDims(L=1, H_q=1, H_kv=1, D=64, rope_dims=32))
     with pytest.raises(ValueError, match="'yarn'"):
-        rope_params(ModelDims(L=1, H_q=1, H_kv=1, D=64,
-                              rope_scaling={"type": "yarn", "factor": 4.0}))
+        rope_params(
+            ModelDims(L=1, H_q=1, H_kv=1, D=64, rope_scaling={"type": "yarn", "factor": 4.0})
+        )
     with pytest.raises(ValueError, match="'llama3'"):
-        rope_params(tiny_llama({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 64}))
+        rope_params(
+            tiny_llama(
+                {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            )
+        )
     # linear scaling is applied exactly: the cache inverts the model's own (scaled) RoPE
     model = tiny_llama({"type": "linear", "factor": 4.0})
     assert rope_params(model) == (10000.0, True, 0.25)
@@ -451,8 +524,9 @@ def test_bad_rope_and_head_dim():
         rec = recording_caches(ropes)
         model(mx.array(_tokens(1, 9)), cache=rec)
     r = rec[1].records[0]
-    np.testing.assert_allclose(np.array(caches[1]._rope(r["k_post"], 0, inverse=True)),
-                               np.array(r["k_pre"]), atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(caches[1]._rope(r["k_post"], 0, inverse=True)), np.array(r["k_pre"]), atol=1e-4
+    )
 
 
 def test_nan_keys_are_refused():
@@ -467,8 +541,12 @@ def test_artifact_layout_and_stage_mismatches_are_refused(tiny_bundle):
     model, artifact, _ = tiny_bundle
     dims = ModelDims.of(model)
     other = "half" if dims.rope_traditional else "interleaved"
-    wrong = Artifact("commvq", artifact.tensors, artifact.hyperparameters,
-                     {**artifact.diagnostics, "pair_layout": other})
+    wrong = Artifact(
+        "commvq",
+        artifact.tensors,
+        artifact.hyperparameters,
+        {**artifact.diagnostics, "pair_layout": other},
+    )
     with pytest.raises(ValueError, match="RoPE pairs"):
         check_artifact(wrong, dims)
     with pytest.raises(ValueError, match="RoPE pairs"):
@@ -479,19 +557,31 @@ def test_artifact_layout_and_stage_mismatches_are_refused(tiny_bundle):
     with pytest.raises(ValueError, match=f"R={r}"):
         make_caches(model, KVCacheConfig(method="commvq", options={"key_bits": 1}), artifact)
     with pytest.raises(ValueError, match="stages"):
-        check_artifact(Artifact("commvq", artifact.tensors,
-                                {**artifact.hyperparameters, "stages": r + 2},
-                                artifact.diagnostics), dims)
+        check_artifact(
+            Artifact(
+                "commvq",
+                artifact.tensors,
+                {**artifact.hyperparameters, "stages": r + 2},
+                artifact.diagnostics,
+            ),
+            dims,
+        )
     with pytest.raises(ValueError, match="pair_layout"):
-        tr.resolve_layout({**artifact.hyperparameters, "pair_layout": other},
-                          dims.rope_traditional)
+        tr.resolve_layout({**artifact.hyperparameters, "pair_layout": other}, dims.rope_traditional)
     with pytest.raises(ValueError, match="unknown options"):
         make_caches(model, KVCacheConfig(method="commvq", options={"bogus": 1}), artifact)
 
 
 def test_bad_hyperparameters():
-    for bad in ({"key_bits": 0}, {"stages": 0}, {"center": "yes"}, {"iters": -1},
-                {"temperature_end": 0}, {"heldout_fraction": 1.0}, {"pair_layout": "odd"}):
+    for bad in (
+        {"key_bits": 0},
+        {"stages": 0},
+        {"center": "yes"},
+        {"iters": -1},
+        {"temperature_end": 0},
+        {"heldout_fraction": 1.0},
+        {"pair_layout": "odd"},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             METHOD.hyperparameters(bad)
     with pytest.raises(ValueError, match="unknown hyperparameters"):
@@ -509,8 +599,9 @@ def test_real_model_rope_and_uncalibrated_cache(smollm2, eval_text):
     the (uncalibrated) cache runs on real text with the honest byte count."""
     model, tok = smollm2
     assert rope_params(model) == (100000.0, True, 1.0)
-    caches = make_caches(model, KVCacheConfig(method="commvq", uncalibrated=True,
-                                              options={"key_bits": 1}), None)
+    caches = make_caches(
+        model, KVCacheConfig(method="commvq", uncalibrated=True, options={"key_bits": 1}), None
+    )
     ids = mx.array(np.array(tok.encode(eval_text)[:80], np.int32))[None]
     logits = model(ids, cache=caches)
     assert bool(mx.all(mx.isfinite(logits)).item())
@@ -538,17 +629,21 @@ def test_layer_shared_calibration_shapes(tmp_path):
     from veloxquant.capture import capture_activations
 
     model = tiny_llama()
-    capture_activations(model, _tokens(4, 128, seed=5), tmp_path, token_budget=512, seed=0,
-                        progress=False)
-    hp = METHOD.hyperparameters({"stages": 2, "iters": 1, "hard_iters": 1, "share": "layer",
-                                 "value_iters": 2})
+    capture_activations(
+        model, _tokens(4, 128, seed=5), tmp_path, token_budget=512, seed=0, progress=False
+    )
+    hp = METHOD.hyperparameters(
+        {"stages": 2, "iters": 1, "hard_iters": 1, "share": "layer", "value_iters": 2}
+    )
     dims = ModelDims.of(model)
-    tensors, diag = METHOD.calibrate(CalibrationInputs(tmp_path, tmp_path), dims, hp,
-                                     progress=False)
+    tensors, diag = METHOD.calibrate(
+        CalibrationInputs(tmp_path, tmp_path), dims, hp, progress=False
+    )
     assert tuple(tensors["key_theta"].shape) == (2, 1, 2, 16, 64, 2)
     assert METHOD.tensor_specs(dims, hp)["key_theta"].shape == (2, 1, 2, 16, 64, 2)
-    caches = make_caches(model, KVCacheConfig(method="commvq"),
-                         Artifact("commvq", tensors, hp, diag))
+    caches = make_caches(
+        model, KVCacheConfig(method="commvq"), Artifact("commvq", tensors, hp, diag)
+    )
     model(mx.array(_tokens(1, 70)), cache=caches)
     assert caches[0].theta.shape[0] == 1 and caches[0].key_codes.shape[:3] == (1, 2, 70 - 52)
     assert diag["stage_key_rel_err"][1] < diag["stage_key_rel_err"][0] < 1
@@ -564,5 +659,9 @@ def test_real_model_inverse_rope_recovers_captured_pre_rope_keys(smollm2):
         model(mx.array(_tokens(1, 12)), cache=rec)
         model(mx.array(_tokens(1, 3, seed=2)), cache=rec)
     r = rec[7].records[1]
-    np.testing.assert_allclose(np.array(cache._rope(r["k_post"], 12, inverse=True)),
-                               np.array(r["k_pre"]), atol=2e-3, rtol=1e-4)
+    np.testing.assert_allclose(
+        np.array(cache._rope(r["k_post"], 12, inverse=True)),
+        np.array(r["k_pre"]),
+        atol=2e-3,
+        rtol=1e-4,
+    )

@@ -24,3 +24,18 @@ def test_dvc_config_is_offline_and_uses_hydra():
     text = (ROOT / ".dvc" / "config").read_text()
     assert "analytics = false" in text and "check_update = false" in text
     assert "enabled = true" in text and "config_dir = conf" in text
+
+
+def test_every_calibrated_method_has_its_conf_group_and_stage():
+    """Each calibrated method's conf group states exactly the library's defaults (so the
+    pipeline's artifact is the library's default artifact), and dvc.yaml has its stage."""
+    from veloxquant.methods import CALIBRATED, METHODS
+
+    params = compose_params()
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name in CALIBRATED:
+        conf = dict(params["method"][name])
+        conf.pop("variants", None)
+        assert conf == dict(METHODS[name].defaults), name
+        assert stages[name]["do"]["cmd"] == f"python -m pipeline.calibrate {name} ${{key}}"
+        assert f"artifacts/${{key}}/methods/{name}" in stages["bundle"]["do"]["deps"]

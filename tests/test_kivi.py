@@ -17,8 +17,15 @@ from veloxquant.methods.kivi import KIVICache
 
 
 def config(**kw):
-    base = {"method": "kivi", "bits": None, "group_size": None, "window": None, "sinks": None,
-            "uncalibrated": False, "options": {}}
+    base = {
+        "method": "kivi",
+        "bits": None,
+        "group_size": None,
+        "window": None,
+        "sinks": None,
+        "uncalibrated": False,
+        "options": {},
+    }
     return types.SimpleNamespace(**{**base, **kw})
 
 
@@ -75,8 +82,9 @@ def test_packing_is_the_mx_quantize_layout(bits):
     deq = mx.dequantize(w, s, z, group_size=32, bits=bits)
     codes = np.rint(np.array((deq - mx.repeat(z, 32, -1)) / mx.repeat(s, 32, -1)))
     np.testing.assert_array_equal(np.array(kivi.unpack_codes(w, bits, 128)), codes)
-    np.testing.assert_array_equal(np.array(kivi.pack_codes(mx.array(codes.astype(np.uint32)),
-                                                           bits)), np.array(w))
+    np.testing.assert_array_equal(
+        np.array(kivi.pack_codes(mx.array(codes.astype(np.uint32)), bits)), np.array(w)
+    )
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
@@ -94,7 +102,7 @@ def test_fused_dequantize_matches_pure_path(group_size, monkeypatch):
         # the fused path really ran, for every width but 7 (K and V buckets, 2 fetches)
         assert sorted(set(calls)) == ([1, 2, 3, 4, 8] if fused else [])
         calls.clear()
-    for a, b in zip(outs[True], outs[False]):
+    for a, b in zip(outs[True], outs[False], strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-6)
 
 
@@ -142,8 +150,9 @@ def test_keys_are_grouped_per_channel_and_values_per_token():
     assert err_v > 10 * err_k
     # a constant group quantizes exactly
     c = np.full((1, 32, 64), 0.5, np.float32)
-    np.testing.assert_allclose(np.array(kivi.fake_quantize(mx.array(c), 2, 32, "key")), c,
-                               atol=1e-3)
+    np.testing.assert_allclose(
+        np.array(kivi.fake_quantize(mx.array(c), 2, 32, "key")), c, atol=1e-3
+    )
 
 
 def feed(cache, sizes, h=3, d=64, seed=0):
@@ -193,13 +202,13 @@ def test_fetch_returns_sinks_and_window_exactly_and_quantized_past_within_bound(
     n_q = cache.n_quantized
     f16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
     np.testing.assert_array_equal(ok[:, :4], f16(k_all[:, :4]))  # sinks: fp16
-    np.testing.assert_array_equal(ok[:, 4 + n_q:-1], f16(k_all[:, 4 + n_q:-1]))  # window
+    np.testing.assert_array_equal(ok[:, 4 + n_q : -1], f16(k_all[:, 4 + n_q : -1]))  # window
     np.testing.assert_array_equal(ok[:, -1], k_all[:, -1])  # the call's own token: as given
     # all of the quantized past was flushed in the first call, straight from float32
-    _, _, rec = np_keys(k_all[:, 4:4 + n_q], 3, g)
-    np.testing.assert_allclose(ok[:, 4:4 + n_q], rec, rtol=1e-6, atol=1e-6)
-    _, _, rec_v = np_values(v[0][:, 4:4 + n_q], 3, g)
-    np.testing.assert_allclose(ov[:, 4:4 + n_q], rec_v, rtol=1e-6, atol=1e-6)
+    _, _, rec = np_keys(k_all[:, 4 : 4 + n_q], 3, g)
+    np.testing.assert_allclose(ok[:, 4 : 4 + n_q], rec, rtol=1e-6, atol=1e-6)
+    _, _, rec_v = np_values(v[0][:, 4 : 4 + n_q], 3, g)
+    np.testing.assert_allclose(ov[:, 4 : 4 + n_q], rec_v, rtol=1e-6, atol=1e-6)
 
 
 def test_nbytes_exact_formula_and_resident_arrays():
@@ -219,8 +228,11 @@ def test_nbytes_exact_formula_and_resident_arrays():
         assert cache.nbytes == kivi.resident_bytes(n_q, n_fp, hb, d, g)
         assert cache.nbytes == sum(a.nbytes for a in cache.resident_arrays())
         # the resident arrays are the state's arrays (nothing hidden, nothing extra)
-        state_bytes = sum(a.nbytes for k, a in cache.state.items()
-                          if k not in ("meta", "head_bits") and a is not None)
+        state_bytes = sum(
+            a.nbytes
+            for k, a in cache.state.items()
+            if k not in ("meta", "head_bits") and a is not None
+        )
         assert cache.nbytes == state_bytes
     # about b + 32/G + window share bits per element
     elems = 2 * 3 * d * cache.offset
@@ -244,15 +256,11 @@ def test_mixed_bits_match_uniform_caches_per_head():
     assert errs[0] > errs[1] > errs[2]
 
 
-def test_cache_contract():
+def test_cache_sizes_and_mask():
+    # the mlx-lm contract itself (bits, to_quantized, merge, state) is tests/test_contract.py
     cache = KIVICache(np.full((3, 2), 2))
-    assert not hasattr(cache, "bits")  # would route mlx-lm attention to quantized_matmul
-    assert not hasattr(cache, "to_quantized")
     assert mlx_cache.KIVICache is KIVICache
     assert cache.empty() and cache.size() == 0
-    with pytest.raises(NotImplementedError, match="generate one sequence at a time"):
-        KIVICache.merge([cache])
-    assert not cache.is_trimmable()
     feed(cache, [70])
     assert cache.size() == cache.offset == 70
     mask = cache.make_mask(5, return_array=True)
@@ -270,9 +278,15 @@ def test_bad_inputs_are_clear_errors():
         feed(KIVICache(np.full((3, 2), 2), group_size=48), [10])
     with pytest.raises(ValueError, match="covers 2 KV heads"):
         feed(KIVICache(np.full((2, 2), 2)), [10])
-    dims_model = types.SimpleNamespace(args=types.SimpleNamespace(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        hidden_size=256))
+    dims_model = types.SimpleNamespace(
+        args=types.SimpleNamespace(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            hidden_size=256,
+        )
+    )
     make = kivi.METHOD.make_caches
     with pytest.raises(ValueError, match="ratequant"):
         make(dims_model, config(bits=2.5), None)
@@ -310,10 +324,17 @@ def test_prompt_cache_round_trip_and_quality_on_real_model(smollm2, eval_text, t
     from veloxquant.evaluate import evaluate_rows
 
     windows = np.array([ids[:300]], dtype=np.int32)
-    rows = [{"name": f"kivi{b}", "make": (lambda m, b=b: kivi.make_caches(
-        m, config(bits=b, group_size=32), None))} for b in (2, 4)]
-    res = {r["name"]: r for r in evaluate_rows(model, windows, rows, prefill=160, chunk=48,
-                                               progress=False)}
+    rows = [
+        {
+            "name": f"kivi{b}",
+            "make": (lambda m, b=b: kivi.make_caches(m, config(bits=b, group_size=32), None)),
+        }
+        for b in (2, 4)
+    ]
+    res = {
+        r["name"]: r
+        for r in evaluate_rows(model, windows, rows, prefill=160, chunk=48, progress=False)
+    }
     assert res["kivi4"]["kl"] < 0.02
     assert res["kivi2"]["kl"] > 2 * res["kivi4"]["kl"]
     assert res["kivi2"]["top1"] > 0.6

@@ -21,18 +21,33 @@ def tiny_llama() -> nn.Module:
     from mlx_lm.models import llama
 
     mx.random.seed(3)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
-                           intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                           rms_norm_eps=1e-5, vocab_size=64, rope_theta=10000.0,
-                           tie_word_embeddings=False)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=64,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
 
 
 def config(**kw):
-    base = {"method": "ratequant", "bits": None, "group_size": None, "window": None,
-            "sinks": None, "uncalibrated": False, "options": {}}
+    base = {
+        "method": "ratequant",
+        "bits": None,
+        "group_size": None,
+        "window": None,
+        "sinks": None,
+        "uncalibrated": False,
+        "options": {},
+    }
     return types.SimpleNamespace(**{**base, **kw})
 
 
@@ -62,7 +77,7 @@ def test_fisher_gradient_matches_finite_difference(layout):
             delta = np.zeros(shape, np.float32)
             delta[pos] = eps
 
-            def loss(sign):
+            def loss(sign, idx=idx, delta=delta):
                 perts = [None] * 4
                 perts[idx] = mx.array(sign * delta)
                 return float(fisher.window_nll(model, tokens, perts, chunk, **layout)[0].item())
@@ -95,8 +110,9 @@ def test_fisher_importance_shapes_weighting_and_nonfinite_error(monkeypatch):
     assert w.shape == w_sq.shape == (2, 2, 2)
     assert np.all(w > 0) and np.all(w_sq > 0)
     assert not np.allclose(w, w_sq)  # the range weighting changes the numbers
-    w_plain, w_sq_plain, _ = fisher.fisher_importance(model, windows, chunk=8, **RUNTIME,
-                                                      range_weighted=False)
+    w_plain, w_sq_plain, _ = fisher.fisher_importance(
+        model, windows, chunk=8, **RUNTIME, range_weighted=False
+    )
     np.testing.assert_allclose(w_plain, w_sq_plain)
     np.testing.assert_allclose(w_sq_plain, w_sq, rtol=1e-6)
     assert timing["fisher_over_forward"] > 0
@@ -159,7 +175,7 @@ def test_distortion_is_the_runtime_quantizers_and_fits_a_geometric_curve():
     assert np.all(np.diff(dist, axis=-1) < 0)
     # the same number straight from the runtime quantizer, first sequence's blocks
     kb = mx.array(keys[4:228].transpose(1, 0, 2))  # 224 = 7 whole blocks after 4 sinks
-    kb2 = mx.array(keys[256 + 4:256 + 228].transpose(1, 0, 2))
+    kb2 = mx.array(keys[256 + 4 : 256 + 228].transpose(1, 0, 2))
     direct = []
     for blk in (kb, kb2):
         e = kivi.fake_quantize(blk, 3, 32, "key") - blk
@@ -195,15 +211,25 @@ def test_water_filling_meets_budget_exactly_and_prefers_important(target):
     assert bits.mean() + 0.5 == pytest.approx(target)
     # with equal alpha the allocation is monotone in importance
     flat_alpha = np.ones_like(alpha)
-    b2, _ = alloc.allocate(w, flat_alpha, beta, flat_alpha[..., None] * beta[:, None] **
-                           -np.array(allowed, float), allowed, target, 64)
+    b2, _ = alloc.allocate(
+        w,
+        flat_alpha,
+        beta,
+        flat_alpha[..., None] * beta[:, None] ** -np.array(allowed, float),
+        allowed,
+        target,
+        64,
+    )
     for s in range(2):
         order = np.argsort(w[..., s].ravel())
         assert np.all(np.diff(b2[..., s].ravel()[order]) >= 0)
     # and beats uniform on the objective it optimises
     uni = alloc.uniform_allocation(w.shape, target, allowed, 64)
-    cost = lambda b: float((w * np.take_along_axis(  # noqa: E731
-        d, np.searchsorted(allowed, b)[..., None], -1)[..., 0]).sum())
+
+    def cost(b):
+        picked = np.take_along_axis(d, np.searchsorted(allowed, b)[..., None], -1)[..., 0]
+        return float((w * picked).sum())
+
     assert cost(bits) <= cost(uni) + 1e-12
     assert info["solve_s"] < 0.5
 
@@ -220,7 +246,7 @@ def test_allocation_close_to_exact_optimum():
     for row in cost:
         nxt = {}
         for spent, c in best.items():
-            for b, cb in zip(allowed, row):
+            for b, cb in zip(allowed, row, strict=True):
                 if spent + b <= budget:
                     v = c + cb
                     if v < nxt.get(spent + b, np.inf):
@@ -263,8 +289,15 @@ def fake_artifact(dims: ModelDims, bits=5.0, **hp_over):
     cols = [kivi.SUPPORTED_BITS.index(b) for b in allowed]
     a, b, _ = alloc.fit_distortion(allowed, table[..., cols])
     bits_arr, _ = alloc.allocate(w, a, b, table[..., cols], allowed, bits, hp["group_size"])
-    tensors = {"importance": w, "fisher_sq": w, "proxy_importance": alpha, "distortion": table,
-               "alpha": a, "beta": b, "bits": bits_arr.astype(np.int8)}
+    tensors = {
+        "importance": w,
+        "fisher_sq": w,
+        "proxy_importance": alpha,
+        "distortion": table,
+        "alpha": a,
+        "beta": b,
+        "bits": bits_arr.astype(np.int8),
+    }
     return Artifact("ratequant", tensors, hp, {})
 
 
@@ -277,8 +310,9 @@ def test_make_caches_solves_at_load_time_and_checks_the_artifact():
         caches = make(model, config(bits=target, group_size=16), art)
         hb = np.stack([c.head_bits for c in caches])
         assert hb.mean() + 2 == pytest.approx(target)  # overhead 32/16 = 2
-    proxy = np.stack([c.head_bits for c in make(model, config(bits=5.0, options={
-        "importance": "proxy"}), art)])
+    proxy = np.stack(
+        [c.head_bits for c in make(model, config(bits=5.0, options={"importance": "proxy"}), art)]
+    )
     assert proxy.mean() + 2 == pytest.approx(5.0)
     default = np.stack([c.head_bits for c in make(model, config(), art)])
     np.testing.assert_array_equal(default, art.tensors["bits"])  # bits=None: the stored b̄
@@ -296,8 +330,9 @@ def test_make_caches_solves_at_load_time_and_checks_the_artifact():
     other = fake_artifact(ModelDims(L=3, H_q=4, H_kv=2, D=16), group_size=16)
     with pytest.raises(ValueError, match="calibrated for another model"):
         make(model, config(bits=5.0), other)
-    bad = Artifact("ratequant", {**art.tensors, "beta": np.array([0.5, 4.0])},
-                   art.hyperparameters, {})
+    bad = Artifact(
+        "ratequant", {**art.tensors, "beta": np.array([0.5, 4.0])}, art.hyperparameters, {}
+    )
     with pytest.raises(ValueError, match="beta"):
         ratequant.check_artifact(bad, dims)
     specs = ratequant.tensor_specs(dims, art.hyperparameters)
@@ -324,8 +359,9 @@ def calibrated(smollm2, smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("ratequant")
     capture_activations(model, ids, root / "capture", token_budget=1024, seed=0, progress=False)
     save_file({"tokens": ids}, str(root / "calib.safetensors"))
-    hp = ratequant.METHOD.hyperparameters({"fisher_windows": 2, "fisher_tokens": 256,
-                                           "validate_units": 0})
+    hp = ratequant.METHOD.hyperparameters(
+        {"fisher_windows": 2, "fisher_tokens": 256, "validate_units": 0}
+    )
     inputs = CalibrationInputs(root / "capture", smollm2_dir, root / "calib.safetensors")
     tensors, diag = ratequant.METHOD.calibrate(inputs, ModelDims.of(model), hp, False)
     return Artifact("ratequant", tensors, hp, diag), root
@@ -343,8 +379,9 @@ def test_calibration_artifact_on_real_model(calibrated, smollm2, tmp_path):
     assert art.diagnostics["fit_r2_min"] > 0.95
     assert np.all((art.tensors["beta"] > 3.5) & (art.tensors["beta"] < 5.5))
     assert art.diagnostics["allocation"]["achieved_bits"] == pytest.approx(3.0)
-    png = ratequant.write_heatmap(tmp_path / "rq.png", art.tensors["importance"],
-                                  art.tensors["bits"], "test")
+    png = ratequant.write_heatmap(
+        tmp_path / "rq.png", art.tensors["importance"], art.tensors["bits"], "test"
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -358,13 +395,16 @@ def test_quality_ordering_ratequant_proxy_uniform(calibrated, smollm2, eval_text
     make = ratequant.METHOD.make_caches
     rows = [
         {"name": "ratequant", "make": lambda m: make(m, config(bits=3.0), art)},
-        {"name": "proxy", "make": lambda m: make(m, config(bits=3.0, options={
-            "importance": "proxy"}), art)},
-        {"name": "uniform", "make": lambda m: make(m, config(bits=3.0, uncalibrated=True),
-                                                   None)},
+        {
+            "name": "proxy",
+            "make": lambda m: make(m, config(bits=3.0, options={"importance": "proxy"}), art),
+        },
+        {"name": "uniform", "make": lambda m: make(m, config(bits=3.0, uncalibrated=True), None)},
     ]
-    res = {r["name"]: r for r in evaluate_rows(model, windows, rows, prefill=192, chunk=64,
-                                               progress=False)}
+    res = {
+        r["name"]: r
+        for r in evaluate_rows(model, windows, rows, prefill=192, chunk=64, progress=False)
+    }
     bits = {n: r["kv_bits_per_element"] for n, r in res.items()}
     assert bits["ratequant"] == pytest.approx(bits["uniform"]) == pytest.approx(bits["proxy"])
     assert res["ratequant"]["kl"] < res["proxy"]["kl"] <= res["uniform"]["kl"]

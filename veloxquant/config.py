@@ -38,7 +38,7 @@ class KVCacheConfig:
     uncalibrated: bool = False
     strict: bool = False
     bits: float | None = None
-    group_size: int = 64
+    group_size: int | None = None  # the method's default when None
     budget: float | None = None
     sinks: int | None = None
     window: int | None = None

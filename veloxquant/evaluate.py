@@ -287,10 +287,9 @@ def write_metrics(results: list[dict], path_json: str | Path) -> dict:
 
 
 def write_row_metrics(results: list[dict], metrics_dir: str | Path) -> None:
-    """One `<row>.json` of ROW_METRIC_KEYS per row, the dir replaced as a whole (no stale rows).
-    `dvc metrics show` then prints a line per row instead of one line of every row's keys."""
-    from veloxquant.io import replace_dir_atomically
-
+    """One `<row>.json` of ROW_METRIC_KEYS per row, each written atomically; files of rows no
+    longer evaluated are removed afterwards. `dvc metrics show` then prints a line per row
+    instead of one line of every row's keys."""
     for r in results:
         if not _ROW_FILE.fullmatch(r["name"]):
             raise ValueError(
@@ -298,11 +297,14 @@ def write_row_metrics(results: list[dict], metrics_dir: str | Path) -> None:
                 "._%+=- only."
             )
 
-    def fill(tmp: Path) -> None:
-        for r in results:
-            write_json_atomic(tmp / f"{r['name']}.json", {k: r[k] for k in ROW_METRIC_KEYS})
-
-    replace_dir_atomically(Path(metrics_dir), fill)
+    metrics_dir = Path(metrics_dir)
+    keep = set()
+    for r in results:
+        keep.add(f"{r['name']}.json")
+        write_json_atomic(metrics_dir / f"{r['name']}.json", {k: r[k] for k in ROW_METRIC_KEYS})
+    for stale in metrics_dir.glob("*.json"):
+        if stale.name not in keep:
+            stale.unlink()
 
 
 def _csv_bytes(rows: list[dict]) -> bytes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx_lm.models.cache as _mlx_cache
 
-from veloxquant.methods import baselines, eviction, qfilters, vecinfer
+from veloxquant.methods import baselines, commvq, eviction, kivi, qfilters, ratequant, vecinfer
 from veloxquant.methods.base import Method
 
 METHODS: dict[str, Method] = {
@@ -19,8 +19,11 @@ METHODS: dict[str, Method] = {
         baselines.QUANTIZED,
         eviction.STREAMINGLLM,
         eviction.KNORM,
+        kivi.METHOD,
         qfilters.METHOD,
         vecinfer.METHOD,
+        commvq.METHOD,
+        ratequant.METHOD,
     )
 }
 

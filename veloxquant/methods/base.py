@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from collections.abc import Callable, Mapping
+from typing import Any
+
+from mlx_lm.models.cache import _BaseCache
 
 # The KVCacheConfig fields a method may read besides `method`, `artifact_dir`, `uncalibrated`,
 # `strict` and `options`; a method lists the ones it uses in `Method.fields`, and make_cache
@@ -150,6 +152,8 @@ class Method:
     check_artifact (artifact, dims) -> None; value checks beyond shape and dtype (e.g. unit
                    norms), run by `bundle verify` and `make_cache` alike.
     min_tokens     (dims, hyperparameters) -> the fewest captured tokens calibration accepts.
+    plot           optional (artifact, png path) -> None: a picture of the artifact that the
+                   method's stage writes and DVC shows (`dvc plots show`).
     """
 
     name: str
@@ -166,6 +170,7 @@ class Method:
     check_hyperparameters: Callable[[dict[str, Any]], None] | None = None
     check_artifact: Callable[[Artifact, ModelDims], None] | None = None
     min_tokens: Callable[[ModelDims, dict[str, Any]], int] | None = None
+    plot: Callable[[Artifact, Path], None] | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.fields) - set(KNOB_FIELDS)
@@ -190,6 +195,44 @@ class Method:
         if self.check_hyperparameters is not None:
             self.check_hyperparameters(hp)
         return hp
+
+
+# ---------------------------------------------------------------------------------------------
+# What every veloxquant cache shares
+
+
+class CompressedCache(_BaseCache):
+    """Base of veloxquant's caches: what mlx-lm would otherwise do silently wrong with them.
+
+    - `merge` batches for real: each sequence keeps its own compressed cache as one row of a
+      `veloxquant.batch.BatchedCache` (mlx-lm's BatchKVCache would drop the compression).
+    - `to_quantized` refuses: mlx-lm's kv_bits= would replace the compressed cache with a
+      QuantizedKVCache once `offset` reaches quantized_kv_start; the CLI and server refuse
+      kv_bits up front.
+    - not trimmable: coded or evicted tokens cannot be restored.
+    No `bits` attribute: its presence routes mlx-lm attention to quantized_matmul.
+    """
+
+    @classmethod
+    def merge(cls, caches: list) -> Any:
+        from veloxquant.batch import BatchedCache
+
+        return BatchedCache.merge(caches)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        raise NotImplementedError(
+            f"{type(self).__name__} is already a compressed cache and cannot be converted to "
+            "mlx-lm's QuantizedKVCache: drop kv_bits= (mlx_lm --kv-bits), or use "
+            "KVCacheConfig(method='quantized', bits=...) instead."
+        )
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def compressed_tokens(self) -> int:
+        """Tokens held coded or evicted rather than at full precision (for stats and tests)."""
+        raise NotImplementedError
 
 
 # ---------------------------------------------------------------------------------------------

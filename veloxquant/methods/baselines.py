@@ -27,7 +27,8 @@ def make_quantized_caches(model: Any, config: Any, artifact: Artifact | None) ->
             f"quantized cache needs bits in {','.join(map(str, QUANTIZED_BITS))}; got {config.bits}"
         )
     bits = int(config.bits)
-    return [QuantizedKVCache(group_size=config.group_size, bits=bits) for _ in model.layers]
+    group_size = 64 if config.group_size is None else int(config.group_size)
+    return [QuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
 
 
 FP16 = Method(

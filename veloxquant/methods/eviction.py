@@ -53,9 +53,9 @@ import numbers
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import create_attention_mask
 
-from veloxquant.methods.base import Artifact, Method, pack_state, unpack_state
+from veloxquant.methods.base import Artifact, CompressedCache, Method, pack_state, unpack_state
 
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW_FRACTION = 0.75
@@ -103,7 +103,7 @@ def default_window(budget_tokens: int) -> int:
     return max(1, int(DEFAULT_WINDOW_FRACTION * budget_tokens))
 
 
-class EvictionCache(_BaseCache):
+class EvictionCache(CompressedCache):
     """Budgeted KV cache that keeps sinks + recent window + the best-scored tokens in between.
 
     Subclasses define `score(keys) -> float32 [B, H, S]` (higher = keep).
@@ -207,28 +207,14 @@ class EvictionCache(_BaseCache):
         return self.keys is None
 
     @property
+    def compressed_tokens(self) -> int:
+        return self.offset - self.size()  # evicted
+
+    @property
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
         return self.keys.nbytes + self.values.nbytes
-
-    def is_trimmable(self) -> bool:
-        return False  # evicted tokens cannot be restored
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        raise NotImplementedError(
-            f"{type(self).__name__} cannot be converted to a QuantizedKVCache: kv_bits= "
-            "(mlx_lm generate/server --kv-bits) would replace this compressed cache. Drop "
-            "kv_bits, or use KVCacheConfig(method='quantized', bits=...) instead."
-        )
-
-    @classmethod
-    def merge(cls, caches: list) -> Any:
-        from veloxquant.batch import BatchedCache
-
-        return BatchedCache.merge(caches)
-
-    # -- prompt-cache state: arrays by name, scalars in meta_state (methods/base.py) ----------
 
     def state_arrays(self) -> dict:
         return {"keys": self.keys, "values": self.values}

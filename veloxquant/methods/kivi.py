@@ -43,7 +43,7 @@ Runtime (`KIVICache`, method "kivi"; one cache per layer):
   b + 32/G bits per element (G = 32: b + 1); `resident_bytes` is the formula.
 - cache contract (DESIGN section 7): `offset` absolute, nothing is evicted so size() == offset,
   no `bits` attribute (it would route mlx-lm attention to quantized_matmul; the allocation is
-  `head_bits`), not a KVCache subclass (no inherited `to_quantized`), `merge` raises, not
+  `head_bits`), not a KVCache subclass; batching and `to_quantized` as every CompressedCache, not
   trimmable, state/meta_state by name (`pack_state`), registered in mlx_lm.models.cache.
 
 Knobs: KVCacheConfig.bits (integer 1-8, uniform over heads and streams: KIVI-2 is bits=2),
@@ -60,9 +60,9 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 import numpy as np
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import create_attention_mask
 
-from veloxquant.methods.base import Method, ModelDims, pack_state, unpack_state
+from veloxquant.methods.base import CompressedCache, Method, ModelDims, pack_state, unpack_state
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 # mx.dequantize (affine) reads these widths; 7 bits, or odd group sizes, take the pure-MLX path.
@@ -81,8 +81,12 @@ OPTION_KEYS = ("key_bits", "value_bits")
 
 def check_bits(bits: Any, where: str = "kivi") -> int:
     """An integer bit width this quantizer supports, or a clear error."""
-    if isinstance(bits, bool) or not isinstance(bits, numbers.Real) or bits != int(bits) \
-            or int(bits) not in SUPPORTED_BITS:
+    if (
+        isinstance(bits, bool)
+        or not isinstance(bits, numbers.Real)
+        or bits != int(bits)
+        or int(bits) not in SUPPORTED_BITS
+    ):
         raise ValueError(
             f"{where}: bit width {bits!r} is not supported; the KIVI quantizer packs integer "
             f"widths {list(SUPPORTED_BITS)}"
@@ -92,8 +96,11 @@ def check_bits(bits: Any, where: str = "kivi") -> int:
 
 def check_group_size(group_size: Any, head_dim: int | None = None) -> int:
     """G >= 2; values are grouped along head_dim, so G must divide it."""
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) \
-            or group_size < 2:
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, numbers.Integral)
+        or group_size < 2
+    ):
         raise ValueError(f"kivi: group_size must be an integer >= 2, got {group_size!r}")
     if head_dim is not None and head_dim % group_size:
         raise ValueError(
@@ -129,8 +136,9 @@ def quantize_keys(x: mx.array, bits: int, group_size: int):
     (T a multiple of G) → (codes uint32 [..., T, D], scale, zero fp16 [..., T/G, D])."""
     *lead, t, d = x.shape
     if t % group_size:
-        raise ValueError(f"quantize_keys: {t} tokens is not a whole number of blocks of "
-                         f"{group_size}")
+        raise ValueError(
+            f"quantize_keys: {t} tokens is not a whole number of blocks of {group_size}"
+        )
     xb = x.astype(mx.float32).reshape(*lead, t // group_size, group_size, d)
     lo, hi = xb.min(axis=-2, keepdims=True), xb.max(axis=-2, keepdims=True)
     codes, scale, zero = _minmax_codes(xb, lo, hi, bits)
@@ -211,12 +219,18 @@ def unpack_codes(words: mx.array, bits: int, n_codes: int) -> mx.array:
 def fused_dequantize_ok(n_codes: int, bits: int, group_size: int) -> bool:
     """Whether `mx.dequantize` (one fused op) can read rows of n_codes codes: its affine mode
     takes group sizes 32/64/128 and widths 1-6 and 8, with no row padding."""
-    return (USE_MX_DEQUANTIZE and group_size in (32, 64, 128) and bits in MX_DEQUANTIZE_BITS
-            and n_codes % group_size == 0 and (n_codes * bits) % 32 == 0)
+    return (
+        USE_MX_DEQUANTIZE
+        and group_size in (32, 64, 128)
+        and bits in MX_DEQUANTIZE_BITS
+        and n_codes % group_size == 0
+        and (n_codes * bits) % 32 == 0
+    )
 
 
-def dequantize_rows(words: mx.array, scale: mx.array, zero: mx.array, bits: int,
-                    group_size: int, n_codes: int) -> mx.array:
+def dequantize_rows(
+    words: mx.array, scale: mx.array, zero: mx.array, bits: int, group_size: int, n_codes: int
+) -> mx.array:
     """code·scale + zero over rows of n_codes packed codes, groups of G along the row
     (scale, zero [..., n_codes / G]) → float32 [..., n_codes]. Fused `mx.dequantize` when it
     applies (float32 scales, so the arithmetic is the reference's), else pure MLX."""
@@ -237,8 +251,14 @@ def pack_key_block_codes(codes: mx.array, group_size: int) -> tuple[mx.array, in
     return rows.reshape(*lead, t // group_size, d * group_size), d * group_size
 
 
-def resident_bytes(n_quantized: int, n_fp: int, head_bits: np.ndarray, head_dim: int,
-                   group_size: int, batch: int = 1) -> int:
+def resident_bytes(
+    n_quantized: int,
+    n_fp: int,
+    head_bits: np.ndarray,
+    head_dim: int,
+    group_size: int,
+    batch: int = 1,
+) -> int:
     """Exact `KIVICache.nbytes` for n_quantized stored tokens and n_fp fp16 tokens (window +
     sinks), from the formula: key codes ceil(D·G·b/32) uint32 words per block of G tokens and
     head, value codes ceil(D·b/32) words per token and head (both D·b/8 bytes per token when
@@ -263,24 +283,32 @@ def resident_bytes(n_quantized: int, n_fp: int, head_bits: np.ndarray, head_dim:
 def _check_head_bits(head_bits: Any) -> np.ndarray:
     hb = np.asarray(head_bits)
     if hb.ndim != 2 or hb.shape[1] != 2 or hb.shape[0] < 1:
-        raise ValueError(f"kivi: head_bits must be [H_kv, 2] (keys, values), got shape "
-                         f"{list(hb.shape)}")
+        raise ValueError(
+            f"kivi: head_bits must be [H_kv, 2] (keys, values), got shape {list(hb.shape)}"
+        )
     for b in np.unique(hb):
         check_bits(b.item() if hasattr(b, "item") else b, "kivi head_bits")
     return hb.astype(np.int64)
 
 
-class KIVICache(_BaseCache):
+class KIVICache(CompressedCache):
     """Packed KIVI cache for one layer with per-(KV head, stream) bit widths; see the module
-    docstring. No `bits` attribute (the allocation is `head_bits`), cannot batch."""
+    docstring. No `bits` attribute (the allocation is `head_bits`)."""
 
-    def __init__(self, head_bits: Any, *, group_size: int = DEFAULT_GROUP_SIZE,
-                 window: int = DEFAULT_WINDOW, sinks: int = DEFAULT_SINKS):
+    def __init__(
+        self,
+        head_bits: Any,
+        *,
+        group_size: int = DEFAULT_GROUP_SIZE,
+        window: int = DEFAULT_WINDOW,
+        sinks: int = DEFAULT_SINKS,
+    ):
         for name, v in (("window", window), ("sinks", sinks)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
                 raise ValueError(f"kivi: {name} must be an integer >= 0, got {v!r}")
-        self._setup(_check_head_bits(head_bits), check_group_size(group_size), int(window),
-                    int(sinks))
+        self._setup(
+            _check_head_bits(head_bits), check_group_size(group_size), int(window), int(sinks)
+        )
         self.offset = 0
         self.n_quantized = 0
         self.head_dim = None
@@ -290,8 +318,12 @@ class KIVICache(_BaseCache):
         self.store: dict[str, dict[int, dict[str, mx.array]]] = {"key": {}, "value": {}}
 
     def _setup(self, head_bits: np.ndarray, group_size: int, window: int, sinks: int) -> None:
-        self.head_bits, self.group_size, self.window, self.sinks = (head_bits, group_size,
-                                                                    window, sinks)
+        self.head_bits, self.group_size, self.window, self.sinks = (
+            head_bits,
+            group_size,
+            window,
+            sinks,
+        )
         # buckets[stream] = [(bits, head indices)], and the head order that undoes the bucketing
         self.buckets, self._inverse = {}, {}
         for s, stream in enumerate(STREAMS):
@@ -299,8 +331,9 @@ class KIVICache(_BaseCache):
             self.buckets[stream] = [(b, np.flatnonzero(head_bits[:, s] == b)) for b in widths]
             order = np.concatenate([idx for _, idx in self.buckets[stream]])
             identity = np.array_equal(order, np.arange(len(order)))
-            self._inverse[stream] = None if identity else mx.array(np.argsort(order)
-                                                                   .astype(np.int32))
+            self._inverse[stream] = (
+                None if identity else mx.array(np.argsort(order).astype(np.int32))
+            )
 
     # -- quantized store
 
@@ -351,8 +384,10 @@ class KIVICache(_BaseCache):
         if self.head_dim is None:
             b, h, _, d = keys.shape
             if h != self.head_bits.shape[0]:
-                raise ValueError(f"kivi: head_bits covers {self.head_bits.shape[0]} KV heads "
-                                 f"but the layer has {h}")
+                raise ValueError(
+                    f"kivi: head_bits covers {self.head_bits.shape[0]} KV heads "
+                    f"but the layer has {h}"
+                )
             check_group_size(self.group_size, d)
             self.head_dim = d
         recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
@@ -409,24 +444,21 @@ class KIVICache(_BaseCache):
         # nothing is evicted, so the stored length is always the absolute offset
         return create_attention_mask(N, self.offset, return_array, window_size)
 
-    def is_trimmable(self) -> bool:
-        return False
-
-    @classmethod
-    def merge(cls, caches: list) -> Any:
-        raise NotImplementedError(
-            "KIVICache cannot be merged into a batch cache (batched generation would silently "
-            "drop the quantization); generate one sequence at a time."
-        )
-
     def resident_arrays(self) -> list[mx.array]:
         """Every array the cache keeps between calls (what `nbytes` counts)."""
-        arrays = [a for a in (self.sink_keys, self.sink_values, self.window_keys,
-                              self.window_values) if a is not None]
+        arrays = [
+            a
+            for a in (self.sink_keys, self.sink_values, self.window_keys, self.window_values)
+            if a is not None
+        ]
         for stream in STREAMS:
             for st in self.store[stream].values():
                 arrays += [st["codes"], st["scale"], st["zero"]]
         return arrays
+
+    @property
+    def compressed_tokens(self) -> int:
+        return self.n_quantized
 
     @property
     def nbytes(self) -> int:
@@ -436,16 +468,23 @@ class KIVICache(_BaseCache):
 
     @property
     def meta_state(self) -> dict[str, Any]:
-        return {"offset": self.offset, "n_quantized": self.n_quantized,
-                "head_dim": -1 if self.head_dim is None else self.head_dim,
-                "group_size": self.group_size, "window": self.window, "sinks": self.sinks}
+        return {
+            "offset": self.offset,
+            "n_quantized": self.n_quantized,
+            "head_dim": -1 if self.head_dim is None else self.head_dim,
+            "group_size": self.group_size,
+            "window": self.window,
+            "sinks": self.sinks,
+        }
 
     @property
     def state(self) -> dict[str, Any]:
         arrays: dict[str, Any] = {
             "head_bits": mx.array(self.head_bits.astype(np.int32)),
-            "sink_keys": self.sink_keys, "sink_values": self.sink_values,
-            "window_keys": self.window_keys, "window_values": self.window_values,
+            "sink_keys": self.sink_keys,
+            "sink_values": self.sink_values,
+            "window_keys": self.window_keys,
+            "window_values": self.window_values,
         }
         for stream in STREAMS:
             for b, st in self.store[stream].items():
@@ -457,9 +496,12 @@ class KIVICache(_BaseCache):
     def state(self, v: Any) -> None:
         # from_state skips __init__: restore everything here
         arrays, meta = unpack_state(type(self).__name__, v)
-        self._setup(_check_head_bits(np.array(arrays["head_bits"])),
-                    check_group_size(int(meta["group_size"])), int(meta["window"]),
-                    int(meta["sinks"]))
+        self._setup(
+            _check_head_bits(np.array(arrays["head_bits"])),
+            check_group_size(int(meta["group_size"])),
+            int(meta["window"]),
+            int(meta["sinks"]),
+        )
         self.offset, self.n_quantized = int(meta["offset"]), int(meta["n_quantized"])
         self.head_dim = None if int(meta["head_dim"]) < 0 else int(meta["head_dim"])
         for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
@@ -468,8 +510,9 @@ class KIVICache(_BaseCache):
         if self.n_quantized:
             for stream in STREAMS:
                 for b, _ in self.buckets[stream]:
-                    self.store[stream][b] = {n: arrays[f"{stream}{b}_{n}"]
-                                             for n in ("codes", "scale", "zero")}
+                    self.store[stream][b] = {
+                        n: arrays[f"{stream}{b}_{n}"] for n in ("codes", "scale", "zero")
+                    }
 
 
 # load_prompt_cache resolves class names in mlx_lm.models.cache.
@@ -497,8 +540,10 @@ def build_caches(allocation: Any, group_size: int, window: int, sinks: int) -> l
     alloc = np.asarray(allocation)
     if alloc.ndim != 3 or alloc.shape[2] != 2:
         raise ValueError(f"kivi: an allocation is [L, H_kv, 2], got shape {list(alloc.shape)}")
-    return [KIVICache(alloc[i], group_size=group_size, window=window, sinks=sinks)
-            for i in range(alloc.shape[0])]
+    return [
+        KIVICache(alloc[i], group_size=group_size, window=window, sinks=sinks)
+        for i in range(alloc.shape[0])
+    ]
 
 
 def uniform_bits(config: Any) -> tuple[int, int]:
@@ -508,8 +553,10 @@ def uniform_bits(config: Any) -> tuple[int, int]:
     if unknown:
         raise ValueError(f"kivi: unknown options {unknown}; known: {list(OPTION_KEYS)}")
     if config.bits is None and len(options) < 2:
-        raise ValueError("kivi needs bits: KVCacheConfig(method='kivi', bits=2) is KIVI-2 "
-                         f"(integer widths {list(SUPPORTED_BITS)})")
+        raise ValueError(
+            "kivi needs bits: KVCacheConfig(method='kivi', bits=2) is KIVI-2 "
+            f"(integer widths {list(SUPPORTED_BITS)})"
+        )
     bits = config.bits
     if bits is not None and (isinstance(bits, bool) or bits != int(bits)):
         raise ValueError(

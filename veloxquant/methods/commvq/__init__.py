@@ -72,17 +72,26 @@ from veloxquant.methods.commvq.train import (
 
 # KVCacheConfig.options: None means "from the artifact" (calibrated) or DEFAULTS
 # (uncalibrated); a value given for a calibrated cache must match the artifact.
-OPTIONS: dict[str, Any] = {"key_bits": None, "stages": None, "share": None,
-                           "value_sub_dim": None, "value_bits": None, "seed": None}
+OPTIONS: dict[str, Any] = {
+    "key_bits": None,
+    "stages": None,
+    "share": None,
+    "value_sub_dim": None,
+    "value_bits": None,
+    "seed": None,
+}
 
 
 def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
     r = resolve_stages(dims.D, hp)
     specs = {
-        "key_theta": TensorSpec((dims.L, dims.H_kv if hp["share"] == "head" else 1, r, dims.P,
-                                 codebook.ATOMS, 2), "float32"),
-        "value_codebook": TensorSpec((dims.L, dims.H_kv, 2 ** hp["value_bits"],
-                                      hp["value_sub_dim"]), "float32"),
+        "key_theta": TensorSpec(
+            (dims.L, dims.H_kv if hp["share"] == "head" else 1, r, dims.P, codebook.ATOMS, 2),
+            "float32",
+        ),
+        "value_codebook": TensorSpec(
+            (dims.L, dims.H_kv, 2 ** hp["value_bits"], hp["value_sub_dim"]), "float32"
+        ),
     }
     if hp["center"]:
         specs["key_mean"] = TensorSpec((dims.L, dims.H_kv, dims.D), "float32")
@@ -107,8 +116,9 @@ def check_artifact(artifact: Artifact, dims: ModelDims) -> None:
     theta = artifact.tensors["key_theta"]
     r = resolve_stages(dims.D, hp)
     if theta.shape[2] != r:
-        raise ValueError(f"commvq: key_theta has {theta.shape[2]} stages but its "
-                         f"hyperparameters say R={r}")
+        raise ValueError(
+            f"commvq: key_theta has {theta.shape[2]} stages but its hyperparameters say R={r}"
+        )
     for name, x in artifact.tensors.items():
         if not bool(mx.all(mx.isfinite(mx.array(x))).item()):
             raise ValueError(f"commvq artifact tensor {name} contains NaN/inf; recalibrate")
@@ -117,8 +127,9 @@ def check_artifact(artifact: Artifact, dims: ModelDims) -> None:
 
 
 def _options(config: Any) -> dict[str, Any]:
-    options = {k: v for k, v in dict(getattr(config, "options", None) or {}).items()
-               if v is not None}
+    options = {
+        k: v for k, v in dict(getattr(config, "options", None) or {}).items() if v is not None
+    }
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"commvq: unknown options {unknown}; known: {list(OPTIONS)}")
@@ -138,8 +149,7 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[Comm
         check_hyperparameters(hp)
         r = resolve_stages(dims.D, hp)
         h_share = dims.H_kv if hp["share"] == "head" else 1
-        theta = codebook.gaussian_theta(mx.random.key(int(hp["seed"])), dims.L * h_share, r,
-                                        dims.P)
+        theta = codebook.gaussian_theta(mx.random.key(int(hp["seed"])), dims.L * h_share, r, dims.P)
         theta = theta.reshape(dims.L, h_share, *theta.shape[1:])
         from veloxquant.methods.vecinfer import gaussian_codebook
 
@@ -165,16 +175,24 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[Comm
                         "element); point artifact_dir at a bundle calibrated that way"
                     )
             elif hp.get(name) != value:
-                raise ValueError(f"commvq: options ask for {name}={value!r} but the artifact "
-                                 f"was calibrated with {name}={hp.get(name)!r}")
+                raise ValueError(
+                    f"commvq: options ask for {name}={value!r} but the artifact "
+                    f"was calibrated with {name}={hp.get(name)!r}"
+                )
         theta, vbooks = mx.array(theta), mx.array(vbooks)
         means = None if means is None else mx.array(means)
     return [
         CommVQCache(
-            theta[i], vbooks[i], None if means is None else means[i],
-            rope_base=base, rope_traditional=traditional, rope_scale=scale,
-            value_bits=hp["value_bits"], value_sub_dim=hp["value_sub_dim"],
-            window=window, sinks=sinks,
+            theta[i],
+            vbooks[i],
+            None if means is None else means[i],
+            rope_base=base,
+            rope_traditional=traditional,
+            rope_scale=scale,
+            value_bits=hp["value_bits"],
+            value_sub_dim=hp["value_sub_dim"],
+            window=window,
+            sinks=sinks,
         )
         for i in range(dims.L)
     ]

@@ -21,7 +21,7 @@ coded tokens, window and the call's own tokens in full precision. The dequantize
 are dropped after the call and are not counted.
 
 Incoming keys with NaN/inf raise a ValueError (the check costs one host sync per call).
-Not batchable: `merge` raises NotImplementedError.
+Batching, `to_quantized` and trimming: see `veloxquant.methods.base.CompressedCache`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 from mlx import nn
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import create_attention_mask
 
 from veloxquant.codes import pq_decode, pq_encode
-from veloxquant.methods.base import ModelDims, pack_state, unpack_state
+from veloxquant.methods.base import CompressedCache, ModelDims, pack_state, unpack_state
 from veloxquant.methods.commvq import codebook as cb
 
 DEFAULT_WINDOW = 48
@@ -121,20 +121,32 @@ def unpack12(packed: mx.array, stages: int) -> mx.array:
 def _check_finite(x: mx.array, what: str) -> None:
     if not bool(mx.all(mx.isfinite(x)).item()):
         n_bad = int((~mx.isfinite(x)).sum().item())
-        raise ValueError(f"commvq: {what} contain {n_bad} NaN/inf values; the cache cannot "
-                         "encode them (check the model weights and dtype)")
+        raise ValueError(
+            f"commvq: {what} contain {n_bad} NaN/inf values; the cache cannot "
+            "encode them (check the model weights and dtype)"
+        )
 
 
-class CommVQCache(_BaseCache):
+class CommVQCache(CompressedCache):
     """CommVQ KV cache for one layer; see the module docstring for what is resident.
 
     No `bits` attribute (it would route mlx-lm attention to quantized_matmul); not a KVCache
-    subclass (no inherited `to_quantized`); cannot batch (`merge` raises).
+    subclass; `merge` / `to_quantized` as every CompressedCache.
     """
 
     # Every array the cache holds (None until used): its state, and what nbytes counts.
-    array_names = ("theta", "key_mean", "value_codebook", "key_codes", "key_scales",
-                   "value_codes", "window_keys", "window_values", "sink_keys", "sink_values")
+    array_names = (
+        "theta",
+        "key_mean",
+        "value_codebook",
+        "key_codes",
+        "key_scales",
+        "value_codes",
+        "window_keys",
+        "window_values",
+        "sink_keys",
+        "sink_values",
+    )
 
     def __init__(
         self,
@@ -174,22 +186,22 @@ class CommVQCache(_BaseCache):
                 f"b{self.value_bits} needs [{h} or 1, {want[0]}, {want[1]}]"
             )
         if d % self.value_sub_dim:
-            raise ValueError(f"commvq: value_sub_dim {self.value_sub_dim} must divide "
-                             f"head_dim {d}")
+            raise ValueError(f"commvq: value_sub_dim {self.value_sub_dim} must divide head_dim {d}")
         if self.key_mean is not None and tuple(self.key_mean.shape) != (h, d):
-            raise ValueError(f"commvq: key mean has shape {list(self.key_mean.shape)}, "
-                             f"expected {[h, d]}")
+            raise ValueError(
+                f"commvq: key mean has shape {list(self.key_mean.shape)}, expected {[h, d]}"
+            )
         if self.window < 0 or self.sinks < 0:
-            raise ValueError(f"commvq: window and sinks must be >= 0, got {self.window}, "
-                             f"{self.sinks}")
+            raise ValueError(
+                f"commvq: window and sinks must be >= 0, got {self.window}, {self.sinks}"
+            )
         _check_finite(self.value_codebook, "value codebook")
 
     def _validate_keys(self) -> None:
         theta = self.theta
         if theta is None or theta.ndim != 5 or tuple(theta.shape[3:]) != (cb.ATOMS, 2):
             shape = None if self.theta is None else list(self.theta.shape)
-            raise ValueError(f"commvq: θ has shape {shape}, expected "
-                             f"[H or 1, R, P, {cb.ATOMS}, 2]")
+            raise ValueError(f"commvq: θ has shape {shape}, expected [H or 1, R, P, {cb.ATOMS}, 2]")
         _check_finite(self.theta, "θ")
 
     @property
@@ -212,8 +224,14 @@ class CommVQCache(_BaseCache):
 
     def _rope(self, x: mx.array, offset: int, inverse: bool = False) -> mx.array:
         scale = -self.rope_scale if inverse else self.rope_scale
-        return mx.fast.rope(x, self.head_dim, traditional=self.rope_traditional,
-                            base=self.rope_base, scale=scale, offset=offset)
+        return mx.fast.rope(
+            x,
+            self.head_dim,
+            traditional=self.rope_traditional,
+            base=self.rope_base,
+            scale=scale,
+            offset=offset,
+        )
 
     # -- keys: encode / decode (float32)
 
@@ -228,8 +246,9 @@ class CommVQCache(_BaseCache):
         _check_finite(scales, "keys to encode")
         x = x / mx.maximum(scales.astype(mx.float32), 1e-30)[..., None]
         g = int(self.theta.shape[0])  # h, or 1 when the layer's heads share θ
-        pairs = cb.to_pairs(x.transpose(1, 0, 2, 3).reshape(g, h // g * b * t, d),
-                            self.rope_traditional)
+        pairs = cb.to_pairs(
+            x.transpose(1, 0, 2, 3).reshape(g, h // g * b * t, d), self.rope_traditional
+        )
         codes, _ = cb.encode_residual(pairs, self.theta.astype(mx.float32))
         codes = codes.reshape(h, b, t, -1).transpose(1, 0, 2, 3)
         return pack12(codes), scales
@@ -249,19 +268,22 @@ class CommVQCache(_BaseCache):
         return self._rope(x, offset)
 
     def encode_values(self, values: mx.array) -> mx.array:
-        return pq_encode(values.astype(mx.float32), self.value_codebook, self.value_sub_dim,
-                         self.value_bits)
+        return pq_encode(
+            values.astype(mx.float32), self.value_codebook, self.value_sub_dim, self.value_bits
+        )
 
     def decode_values(self, packed: mx.array) -> mx.array:
-        return pq_decode(packed, self.value_codebook, self.value_sub_dim, self.value_bits,
-                         self.head_dim)
+        return pq_decode(
+            packed, self.value_codebook, self.value_sub_dim, self.value_bits, self.head_dim
+        )
 
     # -- mlx-lm cache protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[-1] != self.head_dim:
-            raise ValueError(f"commvq: keys have head_dim {keys.shape[-1]}, the codebook "
-                             f"{self.head_dim}")
+            raise ValueError(
+                f"commvq: keys have head_dim {keys.shape[-1]}, the codebook {self.head_dim}"
+            )
         _check_finite(keys, "keys")
         dtype = keys.dtype
         recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
@@ -283,7 +305,8 @@ class CommVQCache(_BaseCache):
         # Transient dequantization of the coded past; attention sees it, nothing keeps it.
         if n_coded:
             out_k = mx.concatenate(
-                [self.decode_keys(self.key_codes, self.key_scales, self.sinks), recent_k], axis=2)
+                [self.decode_keys(self.key_codes, self.key_scales, self.sinks), recent_k], axis=2
+            )
             out_v = mx.concatenate([self.decode_values(self.value_codes), recent_v], axis=2)
         else:
             out_k, out_v = recent_k, recent_v
@@ -318,18 +341,12 @@ class CommVQCache(_BaseCache):
         # Nothing is evicted, so the stored length is always the absolute offset.
         return create_attention_mask(N, self.offset, return_array, window_size)
 
-    def is_trimmable(self) -> bool:
-        return False
-
-    @classmethod
-    def merge(cls, caches: list) -> Any:
-        raise NotImplementedError(
-            f"{cls.__name__} cannot be merged into a batch cache (batched generation would "
-            "silently drop the compression); generate one sequence at a time."
-        )
-
     def _arrays(self) -> dict[str, mx.array | None]:
         return {name: getattr(self, name) for name in self.array_names}
+
+    @property
+    def compressed_tokens(self) -> int:
+        return 0 if self.key_codes is None else self.key_codes.shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -341,9 +358,13 @@ class CommVQCache(_BaseCache):
     @property
     def meta_state(self) -> dict[str, Any]:
         return {
-            "offset": self.offset, "window": self.window, "sinks": self.sinks,
-            "rope_base": self.rope_base, "rope_traditional": self.rope_traditional,
-            "rope_scale": self.rope_scale, "value_bits": self.value_bits,
+            "offset": self.offset,
+            "window": self.window,
+            "sinks": self.sinks,
+            "rope_base": self.rope_base,
+            "rope_traditional": self.rope_traditional,
+            "rope_scale": self.rope_scale,
+            "value_bits": self.value_bits,
             "value_sub_dim": self.value_sub_dim,
         }
 
@@ -360,8 +381,11 @@ class CommVQCache(_BaseCache):
         self._validate()
 
     def _set_meta(self, meta: dict[str, Any]) -> None:
-        self.offset, self.window, self.sinks = (int(meta["offset"]), int(meta["window"]),
-                                                int(meta["sinks"]))
+        self.offset, self.window, self.sinks = (
+            int(meta["offset"]),
+            int(meta["window"]),
+            int(meta["sinks"]),
+        )
         self.rope_base, self.rope_scale = float(meta["rope_base"]), float(meta["rope_scale"])
         self.rope_traditional = bool(meta["rope_traditional"])
         self.value_bits, self.value_sub_dim = int(meta["value_bits"]), int(meta["value_sub_dim"])

@@ -141,8 +141,10 @@ def decode_pairs(codes: mx.array, table: mx.array, n_groups: int, n_stages: int)
     if g != n_groups or r != n_stages:
         raise ValueError(f"codes [G={g}, N, R={r}] do not match θ [G={n_groups}, R={n_stages}]")
     a, b = split_codes(codes)
-    base = ((mx.arange(g, dtype=mx.uint32)[:, None, None] * r
-             + mx.arange(r, dtype=mx.uint32)[None, None, :]) * ATOMS)
+    base = (
+        mx.arange(g, dtype=mx.uint32)[:, None, None] * r
+        + mx.arange(r, dtype=mx.uint32)[None, None, :]
+    ) * ATOMS
     sum_a = mx.take(table, a + base, axis=0).sum(axis=2)  # [G, N, 2P]
     sum_b = mx.take(table, b + base, axis=0).sum(axis=2)
     p2 = table.shape[-1]

@@ -25,26 +25,50 @@ from veloxquant.methods.commvq.cache import CommVQCache, _check_finite, rope_par
 
 
 def train_prerope_pq(
-    k_pre: mx.array, sub_dim: int, bits: int, *, center: bool, iters: int = 16, seed: int = 0,
-    max_vectors: int | None = 32768, progress: bool = False,
+    k_pre: mx.array,
+    sub_dim: int,
+    bits: int,
+    *,
+    center: bool,
+    iters: int = 16,
+    seed: int = 0,
+    max_vectors: int | None = 32768,
+    progress: bool = False,
 ) -> tuple[mx.array, mx.array | None]:
     """k_pre [G, N, D] → (codebook [G, 2^bits, sub_dim], μ [G, D] or None)."""
     mu = k_pre.mean(axis=1) if center else None
     x = k_pre if mu is None else k_pre - mu[:, None]
-    res = product_kmeans(x, sub_dim, 2**bits, max_vectors=max_vectors, iters=iters, seed=seed,
-                         progress=progress, desc=f"pre-RoPE PQ d{sub_dim}b{bits}")
+    res = product_kmeans(
+        x,
+        sub_dim,
+        2**bits,
+        max_vectors=max_vectors,
+        iters=iters,
+        seed=seed,
+        progress=progress,
+        desc=f"pre-RoPE PQ d{sub_dim}b{bits}",
+    )
     return res.centroids, mu
 
 
 class PreRopePQCache(CommVQCache):
     """CommVQCache with the keys coded by plain product VQ in the pre-RoPE space."""
 
-    array_names = ("key_codebook",) + tuple(n for n in CommVQCache.array_names
-                                             if n not in ("theta", "key_scales"))
+    array_names = ("key_codebook",) + tuple(
+        n for n in CommVQCache.array_names if n not in ("theta", "key_scales")
+    )
 
-    def __init__(self, key_codebook: mx.array, value_codebook: mx.array,
-                 key_mean: mx.array | None = None, *, head_dim: int, key_bits: int,
-                 key_sub_dim: int, **kwargs: Any):
+    def __init__(
+        self,
+        key_codebook: mx.array,
+        value_codebook: mx.array,
+        key_mean: mx.array | None = None,
+        *,
+        head_dim: int,
+        key_bits: int,
+        key_sub_dim: int,
+        **kwargs: Any,
+    ):
         self.key_codebook = key_codebook.astype(mx.float16)
         self.key_bits, self.key_sub_dim = int(key_bits), int(key_sub_dim)
         self._dim = int(head_dim)
@@ -53,12 +77,15 @@ class PreRopePQCache(CommVQCache):
     def _validate_keys(self) -> None:
         want = (2**self.key_bits, self.key_sub_dim)
         if self.key_codebook.ndim != 3 or tuple(self.key_codebook.shape[1:]) != want:
-            raise ValueError(f"pre-RoPE PQ: key codebook has shape "
-                             f"{list(self.key_codebook.shape)}, expected [H, {want[0]}, "
-                             f"{want[1]}]")
+            raise ValueError(
+                f"pre-RoPE PQ: key codebook has shape "
+                f"{list(self.key_codebook.shape)}, expected [H, {want[0]}, "
+                f"{want[1]}]"
+            )
         if self._dim % self.key_sub_dim:
-            raise ValueError(f"pre-RoPE PQ: key_sub_dim {self.key_sub_dim} must divide "
-                             f"head_dim {self._dim}")
+            raise ValueError(
+                f"pre-RoPE PQ: key_sub_dim {self.key_sub_dim} must divide head_dim {self._dim}"
+            )
         _check_finite(self.key_codebook, "key codebook")
 
     @property
@@ -83,8 +110,12 @@ class PreRopePQCache(CommVQCache):
 
     @property
     def meta_state(self) -> dict[str, Any]:
-        return {**super().meta_state, "key_bits": self.key_bits,
-                "key_sub_dim": self.key_sub_dim, "head_dim": self._dim}
+        return {
+            **super().meta_state,
+            "key_bits": self.key_bits,
+            "key_sub_dim": self.key_sub_dim,
+            "head_dim": self._dim,
+        }
 
     def _set_meta(self, meta: dict[str, Any]) -> None:
         super()._set_meta(meta)
@@ -95,17 +126,37 @@ class PreRopePQCache(CommVQCache):
 mlx_cache.PreRopePQCache = PreRopePQCache
 
 
-def make_caches(model: Any, key_codebook: mx.array, value_codebook: mx.array,
-                key_mean: mx.array | None, *, key_bits: int, key_sub_dim: int,
-                value_bits: int, value_sub_dim: int, window: int, sinks: int) -> list:
+def make_caches(
+    model: Any,
+    key_codebook: mx.array,
+    value_codebook: mx.array,
+    key_mean: mx.array | None,
+    *,
+    key_bits: int,
+    key_sub_dim: int,
+    value_bits: int,
+    value_sub_dim: int,
+    window: int,
+    sinks: int,
+) -> list:
     """One PreRopePQCache per layer from [L, H, ...] codebooks (and μ [L, H, D])."""
     base, traditional, scale = rope_params(model)
     head_dim = ModelDims.of(model).D
     return [
-        PreRopePQCache(key_codebook[i], value_codebook[i],
-                       None if key_mean is None else key_mean[i], head_dim=head_dim,
-                       key_bits=key_bits, key_sub_dim=key_sub_dim, rope_base=base,
-                       rope_traditional=traditional, rope_scale=scale, value_bits=value_bits,
-                       value_sub_dim=value_sub_dim, window=window, sinks=sinks)
+        PreRopePQCache(
+            key_codebook[i],
+            value_codebook[i],
+            None if key_mean is None else key_mean[i],
+            head_dim=head_dim,
+            key_bits=key_bits,
+            key_sub_dim=key_sub_dim,
+            rope_base=base,
+            rope_traditional=traditional,
+            rope_scale=scale,
+            value_bits=value_bits,
+            value_sub_dim=value_sub_dim,
+            window=window,
+            sinks=sinks,
+        )
         for i in range(key_codebook.shape[0])
     ]

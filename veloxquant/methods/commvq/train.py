@@ -101,14 +101,16 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
     if isinstance(kb, bool) or not isinstance(kb, (int, float)) or not kb > 0:
         bad("key_bits", "must be a number > 0 (code bits per key element)")
     st = hp["stages"]
-    if st is not None and (isinstance(st, bool) or not isinstance(st, (int, np.integer))
-                           or st < 1):
+    if st is not None and (isinstance(st, bool) or not isinstance(st, (int, np.integer)) or st < 1):
         bad("stages", "must be None or an integer >= 1")
     if not isinstance(hp["center"], bool):
         bad("center", "must be true or false")
     for name in ("iters", "hard_iters"):
-        if isinstance(hp[name], bool) or not isinstance(hp[name], (int, np.integer)) \
-                or hp[name] < 0:
+        if (
+            isinstance(hp[name], bool)
+            or not isinstance(hp[name], (int, np.integer))
+            or hp[name] < 0
+        ):
             bad(name, "must be an integer >= 0")
     for name in ("temperature_start", "temperature_end"):
         if not isinstance(hp[name], (int, float)) or not hp[name] > 0:
@@ -156,8 +158,7 @@ def temperatures(hp: dict[str, Any]) -> list[float]:
 # Soft EM for one stage
 
 
-def _estep_chunk(xs: mx.array, proj: mx.array, gamma: mx.array, cross: mx.array,
-                 inv_t: mx.array):
+def _estep_chunk(xs: mx.array, proj: mx.array, gamma: mx.array, cross: mx.array, inv_t: mx.array):
     """Sufficient statistics of one token chunk xs [G, n, 2P]: soft weights W [G, 4096],
     marginal sums SA, SB [G, 64, 2P], and the summed hard (nearest-codeword) error [G]."""
     g, n, _ = xs.shape
@@ -194,8 +195,9 @@ def _hard_chunk(xs: mx.array, proj: mx.array, gamma: mx.array, cross: mx.array):
     return w, mx.matmul(oa.swapaxes(1, 2), xs), mx.matmul(ob.swapaxes(1, 2), xs), hard
 
 
-def e_step(x_flat: mx.array, theta: mx.array, inv_t: mx.array | None, *,
-           chunk_elems: int = 1 << 24) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+def e_step(
+    x_flat: mx.array, theta: mx.array, inv_t: mx.array | None, *, chunk_elems: int = 1 << 24
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """Soft assignment statistics over all tokens x_flat [G, N, 2P] for θ [G, P, 64, 2];
     inv_t [G] is 1/T per group, None for hard assignments (T → 0). Returns (W [G, 64, 64],
     SA, SB [G, 64, P, 2], hard mean squared error [G])."""
@@ -214,15 +216,19 @@ def e_step(x_flat: mx.array, theta: mx.array, inv_t: mx.array | None, *,
         if w is None:
             w, sa, sb, hard = parts
         else:
-            w, sa, sb, hard = (acc + part for acc, part in zip((w, sa, sb, hard), parts))
+            accs = (w, sa, sb, hard)
+            w, sa, sb, hard = (acc + part for acc, part in zip(accs, parts, strict=True))
         mx.eval(w, sa, sb, hard)
     k = cb.ATOMS
-    return (w.reshape(g, k, k), sa.reshape(g, k, p2 // 2, 2), sb.reshape(g, k, p2 // 2, 2),
-            hard / n)
+    return (
+        w.reshape(g, k, k),
+        sa.reshape(g, k, p2 // 2, 2),
+        sb.reshape(g, k, p2 // 2, 2),
+        hard / n,
+    )
 
 
-def m_step(w: mx.array, sa: mx.array, sb: mx.array, theta_old: mx.array,
-           ridge: float) -> mx.array:
+def m_step(w: mx.array, sa: mx.array, sb: mx.array, theta_old: mx.array, ridge: float) -> mx.array:
     """The commutativity projection: θ [G, P, 64, 2] minimising Σ_ab W_ab ‖m_ab − c_ab(θ)‖²
     (equivalently the expected squared error under the soft assignment), from W [G, 64, 64]
     and the marginal sums SA, SB [G, 64, P, 2]."""
@@ -233,8 +239,9 @@ def m_step(w: mx.array, sa: mx.array, sb: mx.array, theta_old: mx.array,
     eye = mx.eye(k)
     dg = diag[:, :, None] * eye
     # Real form of (diag + iA) t = SA − i·SB:  [[D, −A], [A, D]] [X; Y] = [RX; RY]
-    mat = mx.concatenate([mx.concatenate([dg, -anti], axis=2),
-                          mx.concatenate([anti, dg], axis=2)], axis=1)  # [G, 128, 128]
+    mat = mx.concatenate(
+        [mx.concatenate([dg, -anti], axis=2), mx.concatenate([anti, dg], axis=2)], axis=1
+    )  # [G, 128, 128]
     rx = sa[..., 0] + sb[..., 1]  # [G, 64, P]
     ry = sa[..., 1] - sb[..., 0]
     rhs = mx.concatenate([rx, ry], axis=1)  # [G, 128, P]
@@ -329,12 +336,14 @@ def train_keys(
     keys = mx.random.split(mx.random.key(int(hp["seed"])), n_stages)
     taus = temperatures(hp)
     thetas, histories = [], []
-    with tqdm(total=n_stages * max(len(taus), 1), desc=desc, disable=not progress,
-              leave=False) as bar:
+    with tqdm(
+        total=n_stages * max(len(taus), 1), desc=desc, disable=not progress, leave=False
+    ) as bar:
         for r in range(n_stages):
             theta0 = init_stage(keys[r], residual, r)
-            theta, hist = train_stage(residual, theta0, taus, float(hp["ridge"]),
-                                      on_iter=bar.update)
+            theta, hist = train_stage(
+                residual, theta0, taus, float(hp["ridge"]), on_iter=bar.update
+            )
             if not taus:
                 bar.update()
             codes, _ = cb.nearest_codewords(residual, theta)
@@ -351,8 +360,9 @@ def train_keys(
 # Reconstruction (shared with the cache) and diagnostics
 
 
-def reconstruct_keys(k_pre: mx.array, theta: mx.array, mu: mx.array | None,
-                     traditional: bool) -> list[mx.array]:
+def reconstruct_keys(
+    k_pre: mx.array, theta: mx.array, mu: mx.array | None, traditional: bool
+) -> list[mx.array]:
     """Greedy encode/decode of k_pre [G, N, D] → the reconstruction after each stage,
     [R] x [G, N, D] (scale stored in float16, as the cache stores it)."""
     x, s = normalise(k_pre, mu)
@@ -386,19 +396,21 @@ def logit_error(q_post: mx.array, err_post: mx.array, k_post: mx.array) -> mx.ar
 MIN_KEY_TRAIN_TOKENS = 2 * cb.ATOMS
 
 
-def min_tokens(hp: dict[str, Any]) -> int:
+def min_tokens(dims: Any, hp: dict[str, Any]) -> int:
     """Fewest captured tokens calibration accepts (keys: MIN_KEY_TRAIN_TOKENS training tokens;
     values: as many sub-vectors as centroids, assuming D >= 64) plus the held-out share."""
-    need_train = max(MIN_KEY_TRAIN_TOKENS, math.ceil(2 ** hp["value_bits"]
-                                                     * hp["value_sub_dim"] / 64))
+    need_train = max(
+        MIN_KEY_TRAIN_TOKENS, math.ceil(2 ** hp["value_bits"] * hp["value_sub_dim"] / 64)
+    )
     need = need_train
     while need - max(1, round(need * hp["heldout_fraction"])) < need_train:
         need += 1
     return need
 
 
-def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
-              progress: bool = True) -> tuple[dict[str, mx.array], dict[str, Any]]:
+def calibrate(
+    inputs: Any, dims: Any, hp: dict[str, Any], progress: bool = True
+) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """Key θ (and μ) and value codebooks from a capture dir: see the module docstring.
 
     Returns (tensors: key_theta [L, H_kv, R, P, 64, 2], key_mean [L, H_kv, D] when centred,
@@ -418,17 +430,22 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
     n_layers, n_heads, head_dim, group = dims.L, dims.H_kv, dims.D, dims.G
     n_stages = resolve_stages(head_dim, hp)
     if head_dim % hp["value_sub_dim"]:
-        raise ValueError(f"commvq: value_sub_dim {hp['value_sub_dim']} must divide head_dim "
-                         f"{head_dim}")
+        raise ValueError(
+            f"commvq: value_sub_dim {hp['value_sub_dim']} must divide head_dim {head_dim}"
+        )
     act_dir = inputs.activations_dir
     info = load_capture_info(act_dir)
     if info["num_layers"] != n_layers:
-        raise ValueError(f"capture {act_dir} has {info['num_layers']} layers but the model has "
-                         f"{n_layers}; capture this model's activations first")
+        raise ValueError(
+            f"capture {act_dir} has {info['num_layers']} layers but the model has "
+            f"{n_layers}; capture this model's activations first"
+        )
     n_tokens = int(info["n_sampled"])
-    if n_tokens < min_tokens(hp):
-        raise ValueError(f"commvq: the capture holds {n_tokens} tokens; calibration needs at "
-                         f"least {min_tokens(hp)}. Raise the capture token_budget.")
+    if n_tokens < min_tokens(dims, hp):
+        raise ValueError(
+            f"commvq: the capture holds {n_tokens} tokens; calibration needs at "
+            f"least {min_tokens(dims, hp)}. Raise the capture token_budget."
+        )
     rng = np.random.default_rng(int(hp["seed"]))
     perm = rng.permutation(n_tokens)
     n_held = max(1, round(n_tokens * hp["heldout_fraction"]))
@@ -446,9 +463,11 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
         for name in ("k_pre", "v"):
             check_finite(acts[name], f"layer {layer} {name}")
             if tuple(acts[name].shape[1:]) != (n_heads, head_dim):
-                raise ValueError(f"captured {name} has per-token shape "
-                                 f"{list(acts[name].shape[1:])}, expected "
-                                 f"{[n_heads, head_dim]} for this model")
+                raise ValueError(
+                    f"captured {name} has per-token shape "
+                    f"{list(acts[name].shape[1:])}, expected "
+                    f"{[n_heads, head_dim]} for this model"
+                )
         k_all.append(acts["k_pre"])
         v_all.append(acts["v"])
         q_all.append(acts["q_post"][mx.array(q_tok)])
@@ -462,14 +481,25 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
     del k_all, v_all, q_all
 
     pool = n_heads if hp["share"] == "layer" else 1
-    theta, mu, train_diag = train_keys(k[:, mx.array(key_train)], traditional, hp, pool=pool,
-                                       progress=progress, desc=f"commvq keys R={n_stages}")
+    theta, mu, train_diag = train_keys(
+        k[:, mx.array(key_train)],
+        traditional,
+        hp,
+        pool=pool,
+        progress=progress,
+        desc=f"commvq keys R={n_stages}",
+    )
 
     # Values: product k-means per (layer, KV head), as VecInfer trains them.
     vres = product_kmeans(
-        v[:, mx.array(value_train)], hp["value_sub_dim"], 2 ** hp["value_bits"],
-        max_vectors=hp["value_max_vectors"], iters=hp["value_iters"], seed=int(hp["seed"]) + 1,
-        progress=progress, desc=f"commvq values d{hp['value_sub_dim']}b{hp['value_bits']}",
+        v[:, mx.array(value_train)],
+        hp["value_sub_dim"],
+        2 ** hp["value_bits"],
+        max_vectors=hp["value_max_vectors"],
+        iters=hp["value_iters"],
+        seed=int(hp["seed"]) + 1,
+        progress=progress,
+        desc=f"commvq values d{hp['value_sub_dim']}b{hp['value_bits']}",
     )
 
     # Held-out diagnostics.
@@ -490,8 +520,13 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
         stage_logit.append(logit_error(q, post(e), k_post))
     vh = v[:, hidx]
     vb = vres.centroids
-    vrec = pq_decode(pq_encode(vh[None], vb, hp["value_sub_dim"], hp["value_bits"]), vb,
-                     hp["value_sub_dim"], hp["value_bits"], head_dim)[0]
+    vrec = pq_decode(
+        pq_encode(vh[None], vb, hp["value_sub_dim"], hp["value_bits"]),
+        vb,
+        hp["value_sub_dim"],
+        hp["value_bits"],
+        head_dim,
+    )[0]
     v_rel = ((vh - vrec) ** 2).sum(-1).mean(axis=1) / mx.maximum((vh * vh).sum(-1).mean(1), 1e-30)
     k_mean = kh.mean(axis=1)
     mean_share = (k_mean * k_mean).sum(-1) / mx.maximum(power, 1e-30)
@@ -500,10 +535,8 @@ def calibrate(inputs: Any, dims: Any, hp: dict[str, Any],
         return x.reshape(n_layers, n_heads).mean(axis=1).tolist()
 
     tensors = {
-        "key_theta": theta.reshape(n_layers, n_heads // pool, n_stages, head_dim // 2,
-                                   cb.ATOMS, 2),
-        "value_codebook": vb.reshape(n_layers, n_heads, 2 ** hp["value_bits"],
-                                     hp["value_sub_dim"]),
+        "key_theta": theta.reshape(n_layers, n_heads // pool, n_stages, head_dim // 2, cb.ATOMS, 2),
+        "value_codebook": vb.reshape(n_layers, n_heads, 2 ** hp["value_bits"], hp["value_sub_dim"]),
     }
     if mu is not None:
         tensors["key_mean"] = mu.reshape(n_layers, n_heads, head_dim)

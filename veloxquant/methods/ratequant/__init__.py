@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import numbers
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -93,13 +94,20 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
             raise ValueError(f"ratequant: {name} must be an integer >= 0, got {hp[name]!r}")
     allowed = alloc.check_allowed_bits(hp["allowed_bits"])
     alloc.code_budget(hp["bits"], allowed, hp["group_size"])
-    for name, lo in (("fisher_windows", 1), ("fisher_tokens", 2), ("fisher_chunk", 1),
-                     ("validate_units", 0), ("validate_tokens", 2), ("noise_draws", 1)):
+    for name, lo in (
+        ("fisher_windows", 1),
+        ("fisher_tokens", 2),
+        ("fisher_chunk", 1),
+        ("validate_units", 0),
+        ("validate_tokens", 2),
+        ("noise_draws", 1),
+    ):
         if not _is_int(hp[name]) or hp[name] < lo:
             raise ValueError(f"ratequant: {name} must be an integer >= {lo}, got {hp[name]!r}")
     if hp["fisher_mode"] not in fisher.MODES:
-        raise ValueError(f"ratequant: fisher_mode must be one of {fisher.MODES}, got "
-                         f"{hp['fisher_mode']!r}")
+        raise ValueError(
+            f"ratequant: fisher_mode must be one of {fisher.MODES}, got {hp['fisher_mode']!r}"
+        )
     if not isinstance(hp["range_weighted"], bool):
         raise ValueError(f"ratequant: range_weighted must be a bool, got {hp['range_weighted']!r}")
     sigma = hp["noise_sigma"]
@@ -122,7 +130,7 @@ def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
     }
 
 
-def min_tokens(hp: dict[str, Any]) -> int:
+def min_tokens(dims: Any, hp: dict[str, Any]) -> int:
     # a few whole key blocks of G sampled tokens per sequence, beyond the sinks
     return 8 * int(hp["group_size"])
 
@@ -171,38 +179,51 @@ def calibrate(
     """Importance, distortion curves and the default allocation (see the module docstring)."""
     from veloxquant.capture import load_capture_info, load_stats
     from veloxquant.data import load_tokens
-    from veloxquant.model_import import load_model
+    from mlx_lm.utils import load_model
 
     check_hyperparameters(hp)
     if inputs.calib_tokens is None:
-        raise ValueError("ratequant calibration needs calibration token windows "
-                         "(CalibrationInputs.calib_tokens, data/calib.safetensors) for the "
-                         "Fisher pass")
+        raise ValueError(
+            "ratequant calibration needs calibration token windows "
+            "(CalibrationInputs.calib_tokens, data/calib.safetensors) for the "
+            "Fisher pass"
+        )
     g, window, sinks = int(hp["group_size"]), int(hp["window"]), int(hp["sinks"])
     kivi.check_group_size(g, dims.D)
     allowed = alloc.check_allowed_bits(hp["allowed_bits"])
     info = load_capture_info(inputs.activations_dir)
     if info["num_layers"] != dims.L:
-        raise ValueError(f"capture {inputs.activations_dir} has {info['num_layers']} layers but "
-                         f"the model has {dims.L}; capture this model's activations first")
-    if info["n_sampled"] < min_tokens(hp):
-        raise ValueError(f"ratequant needs at least {min_tokens(hp)} captured tokens, the "
-                         f"capture has {info['n_sampled']}; raise the capture token_budget")
+        raise ValueError(
+            f"capture {inputs.activations_dir} has {info['num_layers']} layers but "
+            f"the model has {dims.L}; capture this model's activations first"
+        )
+    if info["n_sampled"] < min_tokens(dims, hp):
+        raise ValueError(
+            f"ratequant needs at least {min_tokens(dims, hp)} captured tokens, the "
+            f"capture has {info['n_sampled']}; raise the capture token_budget"
+        )
 
     windows = load_tokens(inputs.calib_tokens)[:, : hp["fisher_tokens"]]
-    model, _ = load_model(inputs.model_dir)
+    model, _ = load_model(Path(inputs.model_dir))  # weights only: no tokenizer is needed
     live = ModelDims.of(model)
     if (live.L, live.H_q, live.H_kv, live.D) != (dims.L, dims.H_q, dims.H_kv, dims.D):
-        raise ValueError(f"ratequant: model {inputs.model_dir} ({live}) does not match the "
-                         f"dims calibration was asked for ({dims})")
+        raise ValueError(
+            f"ratequant: model {inputs.model_dir} ({live}) does not match the "
+            f"dims calibration was asked for ({dims})"
+        )
     layout = {"mode": hp["fisher_mode"], "window": window, "sinks": sinks, "group_size": g}
     n_val = int(hp["validate_units"])
     # The validation window is held out of the Fisher average when there is more than one.
     pool = windows.shape[0] - 1 if n_val and windows.shape[0] > 1 else windows.shape[0]
     picks = _evenly_spaced(pool, hp["fisher_windows"])
     w, w_sq, timing = fisher.fisher_importance(
-        model, windows[picks], chunk=hp["fisher_chunk"], range_weighted=hp["range_weighted"],
-        progress=progress, **layout)
+        model,
+        windows[picks],
+        chunk=hp["fisher_chunk"],
+        range_weighted=hp["range_weighted"],
+        progress=progress,
+        **layout,
+    )
     proxy = fisher.proxy_importance(load_stats(inputs.activations_dir))
 
     validation: dict[str, Any] = {"units": 0}
@@ -211,12 +232,23 @@ def calibrate(
         val_tokens = windows[-1, : hp["validate_tokens"]]
         units = fisher.stratified_units(w, n_val)
         w_same, _, _ = fisher.fisher_importance(
-            model, val_tokens[None], chunk=hp["fisher_chunk"],
-            range_weighted=hp["range_weighted"], **layout)
+            model,
+            val_tokens[None],
+            chunk=hp["fisher_chunk"],
+            range_weighted=hp["range_weighted"],
+            **layout,
+        )
         noise = fisher.noise_validation(
-            model, val_tokens, units, sigma=hp["noise_sigma"], draws=hp["noise_draws"],
-            seed=hp["seed"], chunk=hp["fisher_chunk"], range_weighted=hp["range_weighted"],
-            **layout)
+            model,
+            val_tokens,
+            units,
+            sigma=hp["noise_sigma"],
+            draws=hp["noise_draws"],
+            seed=hp["seed"],
+            chunk=hp["fisher_chunk"],
+            range_weighted=hp["range_weighted"],
+            **layout,
+        )
         pick = lambda a: [float(a[u]) for u in units]  # noqa: E731
         validation = {
             "units": [list(u) for u in units],
@@ -231,8 +263,9 @@ def calibrate(
         }
 
     t0 = time.perf_counter()
-    distortion = alloc.distortion_from_capture(inputs.activations_dir, dims.L, MEASURED_BITS, g,
-                                               sinks, progress=progress)
+    distortion = alloc.distortion_from_capture(
+        inputs.activations_dir, dims.L, MEASURED_BITS, g, sinks, progress=progress
+    )
     distortion_s = time.perf_counter() - t0
     cols = [MEASURED_BITS.index(b) for b in allowed]
     alpha, beta, r2 = alloc.fit_distortion(allowed, distortion[..., cols])
@@ -260,7 +293,7 @@ def calibrate(
         "n_captured_tokens": int(info["n_sampled"]),
         "measured_bits": list(MEASURED_BITS),
         "key_grouping": "blocks of G consecutive sampled tokens of one sequence (the capture is "
-                        "a subsample, so key blocks span more positions than at runtime)",
+        "a subsample, so key blocks span more positions than at runtime)",
     }
     return tensors, diagnostics
 
@@ -273,12 +306,12 @@ def _options(config: Any) -> tuple[str, tuple[int, ...] | None]:
     options = dict(config.options or {})
     unknown = sorted(set(options) - {"importance", "allowed_bits"})
     if unknown:
-        raise ValueError(f"ratequant: unknown options {unknown}; known: importance, "
-                         "allowed_bits")
+        raise ValueError(f"ratequant: unknown options {unknown}; known: importance, allowed_bits")
     kind = options.get("importance", "fisher")
     if kind not in IMPORTANCE_KINDS:
-        raise ValueError(f"ratequant: options importance must be one of {IMPORTANCE_KINDS}, "
-                         f"got {kind!r}")
+        raise ValueError(
+            f"ratequant: options importance must be one of {IMPORTANCE_KINDS}, got {kind!r}"
+        )
     allowed = options.get("allowed_bits")
     return kind, None if allowed is None else alloc.check_allowed_bits(allowed)
 
@@ -298,8 +331,12 @@ def _layout(config: Any, dims: ModelDims, group_size: int, window: int, sinks: i
     return group_size, int(window), int(sinks)
 
 
-def solve_allocation(artifact: Artifact, bits: float, importance: str = "fisher",
-                     allowed: tuple[int, ...] | None = None) -> tuple[np.ndarray, dict]:
+def solve_allocation(
+    artifact: Artifact,
+    bits: float,
+    importance: str = "fisher",
+    allowed: tuple[int, ...] | None = None,
+) -> tuple[np.ndarray, dict]:
     """The [L, H_kv, 2] allocation for an average b̄ from an artifact's importance (or proxy)
     and distortion; refits α, β when `allowed` differs from the calibration's widths."""
     hp = artifact.hyperparameters
@@ -321,28 +358,48 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
     kind, allowed = _options(config)
     if config.uncalibrated:
         if kind != "fisher":
-            raise ValueError("ratequant: options importance applies to the calibrated method; "
-                             "the uncalibrated variant is the uniform allocation")
+            raise ValueError(
+                "ratequant: options importance applies to the calibrated method; "
+                "the uncalibrated variant is the uniform allocation"
+            )
         if config.bits is None:
-            raise ValueError("ratequant uncalibrated=True needs bits (the average b̄, counting "
-                             "scale + zero), e.g. KVCacheConfig(method='ratequant', bits=3, "
-                             "uncalibrated=True)")
+            raise ValueError(
+                "ratequant uncalibrated=True needs bits (the average b̄, counting "
+                "scale + zero), e.g. KVCacheConfig(method='ratequant', bits=3, "
+                "uncalibrated=True)"
+            )
         g = DEFAULT_GROUP_SIZE if config.group_size is None else config.group_size
-        g, window, sinks = _layout(config, dims, kivi.check_group_size(g, dims.D),
-                                   kivi.DEFAULT_WINDOW, kivi.DEFAULT_SINKS)
-        bits = alloc.uniform_allocation((dims.L, dims.H_kv, 2), config.bits,
-                                        allowed or DEFAULT_ALLOWED_BITS, g)
+        g, window, sinks = _layout(
+            config, dims, kivi.check_group_size(g, dims.D), kivi.DEFAULT_WINDOW, kivi.DEFAULT_SINKS
+        )
+        bits = alloc.uniform_allocation(
+            (dims.L, dims.H_kv, 2), config.bits, allowed or DEFAULT_ALLOWED_BITS, g
+        )
         return kivi.build_caches(bits, g, window, sinks)
     if artifact is None:
-        raise ValueError("ratequant is calibrated: pass artifact_dir=DIR of a bundle with a "
-                         "ratequant artifact (or uncalibrated=True for uniform KIVI)")
+        raise ValueError(
+            "ratequant is calibrated: pass artifact_dir=DIR of a bundle with a "
+            "ratequant artifact (or uncalibrated=True for uniform KIVI)"
+        )
     check_artifact(artifact, dims)
     hp = artifact.hyperparameters
-    g, window, sinks = _layout(config, dims, int(hp["group_size"]), int(hp["window"]),
-                               int(hp["sinks"]))
+    g, window, sinks = _layout(
+        config, dims, int(hp["group_size"]), int(hp["window"]), int(hp["sinks"])
+    )
     target = hp["bits"] if config.bits is None else config.bits
     bits, _ = solve_allocation(artifact, target, kind, allowed)
     return kivi.build_caches(bits, g, window, sinks)
+
+
+def plot_artifact(artifact: Artifact, path: Path) -> None:
+    """Heatmap of importance and of the stored allocation's bits (layers × heads × K/V)."""
+    bits = artifact.hyperparameters["bits"]
+    write_heatmap(
+        path,
+        artifact.tensors["importance"],
+        artifact.tensors["bits"],
+        title=f"RateQuant: Fisher importance and bits at b̄ = {bits}",
+    )
 
 
 METHOD = Method(
@@ -360,7 +417,16 @@ METHOD = Method(
     check_hyperparameters=check_hyperparameters,
     check_artifact=check_artifact,
     min_tokens=min_tokens,
+    plot=plot_artifact,
 )
 
-__all__ = ["METHOD", "calibrate", "make_caches", "solve_allocation", "write_heatmap",
-           "check_artifact", "tensor_specs", "DEFAULTS"]
+__all__ = [
+    "METHOD",
+    "calibrate",
+    "make_caches",
+    "solve_allocation",
+    "write_heatmap",
+    "check_artifact",
+    "tensor_specs",
+    "DEFAULTS",
+]

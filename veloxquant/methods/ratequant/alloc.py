@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -44,12 +45,15 @@ def check_allowed_bits(allowed: Sequence[Any]) -> tuple[int, ...]:
     """Sorted unique supported widths (at least two), or a clear error."""
     try:
         values = list(allowed)
-    except TypeError:
-        raise ValueError(f"ratequant: allowed_bits must be a list of widths, got {allowed!r}")
+    except TypeError as e:
+        raise ValueError(
+            f"ratequant: allowed_bits must be a list of widths, got {allowed!r}"
+        ) from e
     widths = tuple(sorted({kivi.check_bits(b, "ratequant allowed_bits") for b in values}))
     if len(widths) < 2:
-        raise ValueError(f"ratequant: allowed_bits needs at least two widths to mix, got "
-                         f"{list(values)}")
+        raise ValueError(
+            f"ratequant: allowed_bits needs at least two widths to mix, got {list(values)}"
+        )
     return widths
 
 
@@ -58,8 +62,11 @@ def code_budget(target_bits: float, allowed: Sequence[int], group_size: int) -> 
     [min + overhead, max + overhead] is an error."""
     ovh = kivi.overhead_bits(group_size)
     lo, hi = min(allowed) + ovh, max(allowed) + ovh
-    if not isinstance(target_bits, (int, float, np.floating, np.integer)) or isinstance(
-            target_bits, bool) or not math.isfinite(target_bits):
+    if (
+        not isinstance(target_bits, (int, float, np.floating, np.integer))
+        or isinstance(target_bits, bool)
+        or not math.isfinite(target_bits)
+    ):
         raise ValueError(f"ratequant: bits must be a number, got {target_bits!r}")
     if not lo - 1e-9 <= target_bits <= hi + 1e-9:
         raise ValueError(
@@ -81,23 +88,31 @@ def key_block_indices(positions: np.ndarray, group_size: int, sinks: int) -> np.
     starts = np.flatnonzero(np.r_[True, pos[1:] <= pos[:-1]])
     ends = np.r_[starts[1:], len(pos)]
     out = []
-    for a, b in zip(starts, ends):
+    for a, b in zip(starts, ends, strict=True):
         idx = np.arange(a, b)[pos[a:b] >= sinks]
         n = len(idx) // group_size * group_size
         out.append(idx[:n])
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def measure_distortion(keys: mx.array, values: mx.array, positions: np.ndarray,
-                       allowed: Sequence[int], group_size: int, sinks: int) -> np.ndarray:
+def measure_distortion(
+    keys: mx.array,
+    values: mx.array,
+    positions: np.ndarray,
+    allowed: Sequence[int],
+    group_size: int,
+    sinks: int,
+) -> np.ndarray:
     """d [H, 2, n_bits] (float64): mean over tokens of ‖x − Q_b(x)‖² of one layer's captured
     keys / values [n, H, D] at each allowed width, with the runtime quantizer."""
     pos = np.asarray(positions)
     kidx = key_block_indices(pos, group_size, sinks)
     vidx = np.flatnonzero(pos >= sinks)
     if len(kidx) == 0 or len(vidx) == 0:
-        raise ValueError(f"ratequant: the capture has no whole key block of {group_size} "
-                         "sampled tokens in one sequence; capture more tokens")
+        raise ValueError(
+            f"ratequant: the capture has no whole key block of {group_size} "
+            "sampled tokens in one sequence; capture more tokens"
+        )
     k = mx.take(keys, mx.array(kidx), axis=0).transpose(1, 0, 2)  # [H, n, D], blocks along n
     v = mx.take(values, mx.array(vidx), axis=0).transpose(1, 0, 2)
     out = []
@@ -109,8 +124,14 @@ def measure_distortion(keys: mx.array, values: mx.array, positions: np.ndarray,
     return d
 
 
-def distortion_from_capture(activations_dir: str | Path, n_layers: int, allowed: Sequence[int],
-                            group_size: int, sinks: int, progress: bool = False) -> np.ndarray:
+def distortion_from_capture(
+    activations_dir: str | Path,
+    n_layers: int,
+    allowed: Sequence[int],
+    group_size: int,
+    sinks: int,
+    progress: bool = False,
+) -> np.ndarray:
     """d [L, H, 2, n_bits] from a capture dir's k_post and v (see `measure_distortion`)."""
     from tqdm.auto import tqdm
 
@@ -119,19 +140,25 @@ def distortion_from_capture(activations_dir: str | Path, n_layers: int, allowed:
     out = []
     for layer in tqdm(range(n_layers), desc="distortion", unit="layer", disable=not progress):
         acts = load_activations(activations_dir, layer, ["k_post", "v", "positions"])
-        out.append(measure_distortion(acts["k_post"], acts["v"], np.array(acts["positions"]),
-                                      allowed, group_size, sinks))
+        out.append(
+            measure_distortion(
+                acts["k_post"], acts["v"], np.array(acts["positions"]), allowed, group_size, sinks
+            )
+        )
     return np.stack(out)
 
 
-def fit_distortion(allowed: Sequence[int], d: np.ndarray) -> tuple[np.ndarray, np.ndarray,
-                                                                 np.ndarray]:
+def fit_distortion(
+    allowed: Sequence[int], d: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Fit ln d = ln α − b ln β with β shared per stream: d [..., 2, n_bits] →
     (α [..., 2], β [2], R² [..., 2] of each unit's points against its fitted line)."""
     b = np.asarray(allowed, dtype=np.float64)
     if np.any(~np.isfinite(d)) or np.any(d <= 0):
-        raise ValueError("ratequant: measured distortion must be finite and > 0 at every width "
-                         "(a constant head?)")
+        raise ValueError(
+            "ratequant: measured distortion must be finite and > 0 at every width "
+            "(a constant head?)"
+        )
     y = np.log(d)
     yc = y - y.mean(-1, keepdims=True)
     bc = b - b.mean()
@@ -142,7 +169,7 @@ def fit_distortion(allowed: Sequence[int], d: np.ndarray) -> tuple[np.ndarray, n
     ln_alpha = y.mean(-1) + ln_beta * b.mean()  # [..., 2]
     pred = ln_alpha[..., None] - b * ln_beta[:, None]
     ss_res = ((y - pred) ** 2).sum(-1)
-    ss_tot = (yc ** 2).sum(-1)
+    ss_tot = (yc**2).sum(-1)
     r2 = 1.0 - ss_res / np.maximum(ss_tot, 1e-300)
     return np.exp(ln_alpha), np.exp(ln_beta), r2
 
@@ -151,8 +178,15 @@ def fit_distortion(allowed: Sequence[int], d: np.ndarray) -> tuple[np.ndarray, n
 # Allocation
 
 
-def water_fill(w: np.ndarray, alpha: np.ndarray, beta: np.ndarray, mean_bits: float,
-               b_min: float, b_max: float, iters: int = 200) -> tuple[np.ndarray, float]:
+def water_fill(
+    w: np.ndarray,
+    alpha: np.ndarray,
+    beta: np.ndarray,
+    mean_bits: float,
+    b_min: float,
+    b_max: float,
+    iters: int = 200,
+) -> tuple[np.ndarray, float]:
     """Continuous reverse water-filling: b = clip(log_β(w·α·ln β / μ), b_min, b_max), μ by
     bisection (in log space) so that mean(b) = mean_bits. Returns (b, ln μ)."""
     ln_beta = np.log(np.broadcast_to(beta, w.shape))
@@ -202,8 +236,11 @@ def allocate(
     alpha = np.asarray(alpha, np.float64)
     beta = np.asarray(beta, np.float64)
     d_table = np.asarray(distortion, np.float64)
-    if alpha.shape != w.shape or d_table.shape != (*w.shape, len(allowed)) or \
-            beta.shape not in ((2,), w.shape):
+    if (
+        alpha.shape != w.shape
+        or d_table.shape != (*w.shape, len(allowed))
+        or beta.shape not in ((2,), w.shape)
+    ):
         raise ValueError(
             f"ratequant: allocation inputs disagree: importance {list(w.shape)}, alpha "
             f"{list(alpha.shape)}, beta {list(beta.shape)}, distortion {list(d_table.shape)} "
@@ -262,8 +299,9 @@ def allocate(
     return bits, info
 
 
-def uniform_allocation(shape: tuple[int, int, int], target_bits: float,
-                       allowed: Sequence[int], group_size: int) -> np.ndarray:
+def uniform_allocation(
+    shape: tuple[int, int, int], target_bits: float, allowed: Sequence[int], group_size: int
+) -> np.ndarray:
     """The uncalibrated reference: uniform bits at an average b̄ (counting overhead), [L, H, 2].
 
     An average between two allowed widths is a fixed interleaved split between them: in flat

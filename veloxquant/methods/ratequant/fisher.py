@@ -34,7 +34,8 @@ Proxy (`proxy_importance`): E‖x‖² per (layer, head, stream), the cheap, wea
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -60,8 +61,16 @@ class PerturbedKVCache(KVCache):
     only at the positions a KIVICache (window, sinks, group_size) holds quantized then.
     """
 
-    def __init__(self, dk: mx.array | None = None, dv: mx.array | None = None, *,
-                 mode: str = "plain", window: int = 0, sinks: int = 0, group_size: int = 1):
+    def __init__(
+        self,
+        dk: mx.array | None = None,
+        dv: mx.array | None = None,
+        *,
+        mode: str = "plain",
+        window: int = 0,
+        sinks: int = 0,
+        group_size: int = 1,
+    ):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"fisher: mode must be one of {MODES}, got {mode!r}")
@@ -72,9 +81,9 @@ class PerturbedKVCache(KVCache):
         past, n = self.offset, keys.shape[2]
         if self.mode == "plain":
             if self.dk is not None:
-                keys = keys + self.dk[:, :, past:past + n]
+                keys = keys + self.dk[:, :, past : past + n]
             if self.dv is not None:
-                values = values + self.dv[:, :, past:past + n]
+                values = values + self.dv[:, :, past : past + n]
             return super().update_and_fetch(keys, values)
         k, v = super().update_and_fetch(keys, values)
         lo, hi = quantized_prefix(past, *self.layout)
@@ -86,8 +95,7 @@ class PerturbedKVCache(KVCache):
 def _add_span(x: mx.array, delta: mx.array | None, lo: int, hi: int) -> mx.array:
     if delta is None:
         return x
-    return mx.concatenate([x[:, :, :lo], x[:, :, lo:hi] + delta[:, :, lo:hi], x[:, :, hi:]],
-                          axis=2)
+    return mx.concatenate([x[:, :, :lo], x[:, :, lo:hi] + delta[:, :, lo:hi], x[:, :, hi:]], axis=2)
 
 
 def _kv_shape(model: Any, n_tokens: int) -> tuple[int, int, int, int]:
@@ -98,39 +106,52 @@ def _kv_shape(model: Any, n_tokens: int) -> tuple[int, int, int, int]:
     return 1, n_kv, n_tokens, head_dim
 
 
-def window_logp(model: Any, tokens: mx.array, perturbations: Sequence[mx.array | None],
-                chunk: int | None = None, **cache_kwargs: Any):
+def window_logp(
+    model: Any,
+    tokens: mx.array,
+    perturbations: Sequence[mx.array | None],
+    chunk: int | None = None,
+    **cache_kwargs: Any,
+):
     """(next-token log-probs, one float32 [n, V] per call; the caches) of one window tokens
     [S], fed in calls of `chunk` tokens (all at once when None), with perturbations
     [dk_0, dv_0, dk_1, ...] (each [1, H, S-1, D] or None) through
     `PerturbedKVCache(**cache_kwargs)` in every layer."""
     n_layers = len(model.layers)
-    caches = [PerturbedKVCache(perturbations[2 * i], perturbations[2 * i + 1], **cache_kwargs)
-              for i in range(n_layers)]
+    caches = [
+        PerturbedKVCache(perturbations[2 * i], perturbations[2 * i + 1], **cache_kwargs)
+        for i in range(n_layers)
+    ]
     inputs = tokens[None, :-1]
     step = inputs.shape[1] if chunk is None else chunk
     out = []
     for start in range(0, inputs.shape[1], step):
-        logits = model(inputs[:, start:start + step], cache=caches)[0].astype(mx.float32)
+        logits = model(inputs[:, start : start + step], cache=caches)[0].astype(mx.float32)
         out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     return out, caches
 
 
-def window_nll(model: Any, tokens: mx.array, perturbations: Sequence[mx.array | None],
-               chunk: int | None = None, **cache_kwargs: Any):
+def window_nll(
+    model: Any,
+    tokens: mx.array,
+    perturbations: Sequence[mx.array | None],
+    chunk: int | None = None,
+    **cache_kwargs: Any,
+):
     """(summed next-token NLL of one window, the caches); see `window_logp`."""
     logps, caches = window_logp(model, tokens, perturbations, chunk, **cache_kwargs)
     targets = tokens[1:]
     total, start = mx.array(0.0, dtype=mx.float32), 0
     for logp in logps:
-        tgt = targets[start:start + logp.shape[0], None]
+        tgt = targets[start : start + logp.shape[0], None]
         total = total - mx.take_along_axis(logp, tgt, axis=-1).sum()
         start += logp.shape[0]
     return total, caches
 
 
-def window_gradients(model: Any, tokens: mx.array, chunk: int | None = None,
-                     **cache_kwargs: Any) -> tuple[float, list[mx.array], list[mx.array]]:
+def window_gradients(
+    model: Any, tokens: mx.array, chunk: int | None = None, **cache_kwargs: Any
+) -> tuple[float, list[mx.array], list[mx.array]]:
     """(loss, [∂L/∂k_0, ∂L/∂v_0, ...], [k_0, v_0, ...]) for one window: gradients and the
     clean cached keys/values, each [1, H, S-1, D] float32."""
     n_layers = len(model.layers)
@@ -209,15 +230,18 @@ def fisher_importance(
         t0 = time.perf_counter()
         _, grads, kv = window_gradients(model, tokens, chunk, **kwargs)
         sq, weighted = [], []
-        for i, (g, x) in enumerate(zip(grads, kv)):
-            g2 = (g[0] * g[0])  # [H, T, D]
+        for i, (g, x) in enumerate(zip(grads, kv, strict=True)):
+            g2 = g[0] * g[0]  # [H, T, D]
             sq.append(g2.sum(axis=(1, 2)))
             if range_weighted:
                 r2 = error_scale_sq(x[0], i % 2, group_size, sinks)
                 weighted.append((g2 * _range_weight(r2)).sum(axis=(1, 2)))
         sq = np.array(mx.stack(sq), np.float64).reshape(n_layers, 2, -1).transpose(0, 2, 1)
-        wt = (np.array(mx.stack(weighted), np.float64).reshape(n_layers, 2, -1)
-              .transpose(0, 2, 1) if range_weighted else sq)
+        wt = (
+            np.array(mx.stack(weighted), np.float64).reshape(n_layers, 2, -1).transpose(0, 2, 1)
+            if range_weighted
+            else sq
+        )
         grad_s.append(time.perf_counter() - t0)
         bad = ~(np.isfinite(sq) & np.isfinite(wt))
         if bad.any():
@@ -237,10 +261,14 @@ def fisher_importance(
     mx.eval(window_nll(model, tokens, none, None)[0])
     one_call_s = time.perf_counter() - t0
     med = float(np.median(grad_s))
-    timing = {"fisher_window_s": med, "forward_window_s": fed_s,
-              "forward_one_call_s": one_call_s, "fisher_over_forward": med / fed_s,
-              "fisher_over_one_call_forward": med / one_call_s,
-              "fisher_total_s": float(np.sum(grad_s))}
+    timing = {
+        "fisher_window_s": med,
+        "forward_window_s": fed_s,
+        "forward_one_call_s": one_call_s,
+        "fisher_over_forward": med / fed_s,
+        "fisher_over_one_call_forward": med / one_call_s,
+        "fisher_total_s": float(np.sum(grad_s)),
+    }
     n = windows.shape[0]
     return w_sum / n, w_sq_sum / n, timing
 
@@ -276,12 +304,16 @@ def noise_validation(
     key = mx.random.key(seed)
     out = []
     for layer, head, stream in units:
-        stored = (caches[layer].keys if stream == 0 else caches[layer].values)[0, head:head + 1,
-                                                                              :shape[2]]
+        stored = (caches[layer].keys if stream == 0 else caches[layer].values)[
+            0, head : head + 1, : shape[2]
+        ]
         rms = float(mx.sqrt(mx.mean(stored.astype(mx.float32) ** 2)).item())
         s = sigma * max(rms, 1e-12)
-        shape_std = (mx.sqrt(_range_weight(error_scale_sq(stored, stream, group_size, sinks)))[0]
-                     if range_weighted else mx.ones(shape[2:]))
+        shape_std = (
+            mx.sqrt(_range_weight(error_scale_sq(stored, stream, group_size, sinks)))[0]
+            if range_weighted
+            else mx.ones(shape[2:])
+        )
         kls = []
         for _ in range(draws):
             key, sub = mx.random.split(key)
@@ -290,7 +322,7 @@ def noise_validation(
             perts = list(none)
             perts[2 * layer + stream] = pert
             noisy, _ = window_logp(model, x, perts, chunk, **kwargs)
-            kl = sum((mx.exp(r) * (r - n)).sum() for r, n in zip(ref, noisy))
+            kl = sum((mx.exp(r) * (r - n)).sum() for r, n in zip(ref, noisy, strict=True))
             kls.append(float(kl.item()))
         out.append(float(np.mean(kls)) / (s * s))
     return np.array(out)
@@ -306,6 +338,7 @@ def proxy_importance(stats: dict[str, Any]) -> np.ndarray:
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     """Spearman rank correlation (average ranks for ties)."""
+
     def ranks(x: np.ndarray) -> np.ndarray:
         order = np.argsort(x, kind="stable")
         r = np.empty(len(x))

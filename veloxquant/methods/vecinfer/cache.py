@@ -19,11 +19,17 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import create_attention_mask
 
 from veloxquant.codes import pq_decode, pq_encode
 from veloxquant.kmeans import check_finite
-from veloxquant.methods.base import Artifact, ModelDims, pack_state, unpack_state
+from veloxquant.methods.base import (
+    Artifact,
+    CompressedCache,
+    ModelDims,
+    pack_state,
+    unpack_state,
+)
 from veloxquant.rope import RopeSpec, rotated_mean
 from veloxquant.methods.vecinfer.calibrate import DEFAULTS, check_hyperparameters, gaussian_codebook
 from veloxquant.methods.vecinfer.transform import (
@@ -38,7 +44,7 @@ DEFAULT_WINDOW = 46
 DEFAULT_SINKS = 4
 
 
-class VecInferCache(_BaseCache):
+class VecInferCache(CompressedCache):
     """Product-VQ KV cache for one layer. See the module docstring for what is resident.
 
     No `bits` attribute (it would route mlx-lm attention to quantized_matmul); not a KVCache
@@ -213,24 +219,9 @@ class VecInferCache(_BaseCache):
         # nothing is evicted, so the stored length is always the absolute offset
         return create_attention_mask(N, self.offset, return_array, window_size)
 
-    def is_trimmable(self) -> bool:
-        return False
-
-    @classmethod
-    def merge(cls, caches: list) -> Any:
-        # Not mlx-lm's BatchKVCache, which would silently drop the compression: each sequence
-        # keeps its own codes and window, row by row.
-        from veloxquant.batch import BatchedCache
-
-        return BatchedCache.merge(caches)
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        # mlx-lm's kv_bits= calls this once `offset` reaches quantized_kv_start; without it the
-        # request would be ignored silently. veloxquant's CLI and server refuse kv_bits up front.
-        raise NotImplementedError(
-            "VecInferCache is already a quantized (product-VQ) cache and cannot be converted "
-            "to mlx-lm's QuantizedKVCache: drop kv_bits= (mlx_lm --kv-bits)."
-        )
+    @property
+    def compressed_tokens(self) -> int:
+        return 0 if self.key_codes is None else self.key_codes.shape[2]
 
     @property
     def nbytes(self) -> int:
