@@ -39,6 +39,7 @@ def main() -> None:
         method.plot(load_bundle(main_dir).artifact(args.method), a / "plots" / f"{args.method}.png")
     ablations = a / "ablations" / args.method
     shutil.rmtree(ablations, ignore_errors=True)  # no stale variants from older params
+    ablations.mkdir(parents=True)  # a declared output, even with no variants
     for name, overrides in variants.items():
         out = ablations / name
         print(calibrate(args.method, *inputs, out, data_json=data_json, **{**hp, **overrides}))

@@ -39,3 +39,6 @@ def test_every_calibrated_method_has_its_conf_group_and_stage():
         assert conf == dict(METHODS[name].defaults), name
         assert stages[name]["do"]["cmd"] == f"python -m pipeline.calibrate {name} ${{key}}"
         assert f"artifacts/${{key}}/methods/{name}" in stages["bundle"]["do"]["deps"]
+        outs = [f"artifacts/${{key}}/methods/{name}", f"artifacts/${{key}}/ablations/{name}"]
+        assert stages[name]["do"]["outs"] == outs
+        assert outs[1] in stages["evaluate"]["do"]["deps"]

@@ -151,3 +151,18 @@ def test_reseeding_equals_plain_greedy_farthest_point_per_group():
             want[i] = p
             e = np.minimum(e, ((xn[g] - p) ** 2).sum(-1))
         np.testing.assert_allclose(got[g], want, rtol=0, atol=0)
+
+
+def test_one_hot_cluster_sums_equal_the_scatter_add():
+    """The GPU's deterministic cluster sums (one-hot GEMMs, chunked) equal the CPU's
+    scatter-add, chunk boundaries included."""
+    from veloxquant.kmeans import cluster_sums
+
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.normal(size=(3, 1000, 4)).astype(np.float32))
+    codes = mx.array(rng.integers(0, 37, (3, 1000)).astype(np.uint32))
+    flat = (codes + (mx.arange(3, dtype=mx.uint32) * 37)[:, None]).reshape(-1)
+    want = mx.zeros((3 * 37, 4)).at[flat].add(x.reshape(-1, 4)).reshape(3, 37, 4)
+    for chunk in (37 * 3 * 64, 1 << 21):  # several chunks, and one
+        got = cluster_sums(x, codes, 37, chunk_elems=chunk)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-4)

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from pipeline.compose import ROOT
+from veloxquant.methods import CALIBRATED
 
 MODEL = "smollm2-135m"
 
@@ -40,6 +41,22 @@ def _shrink_conf(conf: Path) -> None:
         max_vectors=2048,
         variants={"nosmooth": {"smooth": "none"}},
     )
+    edit(
+        "method/commvq/default.yaml",
+        iters=0,
+        hard_iters=1,
+        max_tokens=256,
+        value_iters=2,
+        value_max_vectors=2048,
+        variants={},
+    )
+    edit(
+        "method/ratequant/default.yaml",
+        fisher_windows=2,
+        fisher_tokens=128,
+        validate_units=2,
+        validate_tokens=64,
+    )
     rows = yaml.safe_load((conf / "eval/default.yaml").read_text())["rows"]
     keep = {
         "fp16",
@@ -49,6 +66,9 @@ def _shrink_conf(conf: Path) -> None:
         "vecinfer",
         "vecinfer-uncalibrated",
         "vecinfer-nosmooth",
+        "commvq-2bit",
+        "ratequant-3",
+        "ratequant-3-uniform",
     }
     edit(
         "eval/default.yaml",
@@ -138,7 +158,7 @@ def test_dvc_repro_end_to_end(repo):
     assert metrics["fp16"]["kl"] == 0.0 and metrics["fp16"]["top1"] == 1.0
     assert 0 < metrics["mlx-q4"]["kl"] < 1.0
     manifest = json.loads((a / "bundle" / "manifest.json").read_text())
-    assert set(manifest["methods"]) == {"qfilters", "vecinfer"}
+    assert set(manifest["methods"]) == set(CALIBRATED)
     for row in ("qfilters-25%", "vecinfer", "vecinfer-nosmooth"):
         assert metrics[row]["kl"] < 1.0, (row, metrics[row])
     # the tiny calibration still beats the Gaussian codebooks upstream ships
@@ -158,14 +178,15 @@ def test_dvc_repro_end_to_end(repo):
     )
     assert ran == [f"evaluate@{MODEL}"], rerun
 
-    # Each stage depends on the code it runs: a k-means change reruns vecinfer and evaluate only.
+    # Each stage depends on the code it runs: a k-means change reruns exactly the stages that
+    # train with it (vecinfer, commvq values) and evaluate.
     kmeans = repo / "veloxquant" / "kmeans.py"
     original = kmeans.read_text()
     kmeans.write_text(original + "\n# changed\n")
     status = _run([_dvc(), "status", "--json"], repo).strip().splitlines()
     stale = sorted(json.loads(next(line for line in status if line.startswith("{"))))
     kmeans.write_text(original)
-    assert stale == [f"evaluate@{MODEL}", f"vecinfer@{MODEL}"], stale
+    assert stale == [f"commvq@{MODEL}", f"evaluate@{MODEL}", f"vecinfer@{MODEL}"], stale
 
     # The pipeline's bundle verifies against its model through the CLI.
     out = _run(

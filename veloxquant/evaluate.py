@@ -104,6 +104,23 @@ def _nbytes(caches: list) -> int:
     return int(sum(c.nbytes for c in caches))
 
 
+def _prefill_from_reference(caches: list, ref_caches: list, n_rows: int, n: int) -> bool:
+    """Feed each layer's cache the reference prefill's keys/values (what the model would feed
+    it, as long as every earlier layer returned the reference's unchanged) instead of running
+    the model; True when every layer returned them unchanged, so the row's prefill is the
+    reference's. Caches that attend to something else already in their first call (mlx-lm's
+    QuantizedKVCache, say) return False and must be run through the model on fresh caches."""
+    for cache, ref in zip(caches, ref_caches, strict=True):
+        k_in = mx.concatenate([ref.keys[:, :, :n]] * n_rows, axis=0)
+        v_in = mx.concatenate([ref.values[:, :, :n]] * n_rows, axis=0)
+        k_out, v_out = cache.update_and_fetch(k_in, v_in)
+        same = mx.array_equal(k_out, k_in) & mx.array_equal(v_out, v_in)
+        mx.eval(same, [c.state for c in getattr(cache, "caches", [cache])])
+        if not same.item():
+            return False
+    return True
+
+
 def _kv_elements(reference_caches: list) -> int:
     # What an uncompressed cache represents: 2 (K and V) * H_kv * head_dim * tokens, per layer.
     total = 0
@@ -131,13 +148,30 @@ def evaluate_rows(
     prefill: int,
     chunk: int,
     progress: bool = True,
+    batch_tokens: int = 6144,
+    share_prefill: bool = True,
 ) -> list[dict]:
     """Evaluate every row on every window against the fp16 `KVCache` reference.
 
     windows: int [N, S] token ids; rows: `{"name": ..., **KVCacheConfig fields}` (or with
     `"make"`). Returns one result dict per row (config fields + metrics), in row order.
+
+    All windows go through the model as one batch, and veloxquant's caches of several rows
+    too (each (row, window) keeps its own single-sequence cache inside a
+    `veloxquant.batch.BatchedCache`, so every cache sees exactly the tokens it would alone):
+    the projections and MLP then run as a few large GEMMs instead of many small ones. At most
+    `batch_tokens` sequence positions go through one forward (bounding the logits in memory).
+    With `share_prefill`, a row whose caches hand the prefill's keys and values back unchanged
+    (every veloxquant cache: the call's own tokens are attended at full precision) reuses the
+    reference's prefill instead of running the model again (checked per layer, see
+    `_prefill_from_reference`).
+    Other caches (mlx-lm's) take the windows as their own batch dimension. Metrics equal those
+    of feeding one window and one row at a time up to float rounding (tests/test_evaluate.py).
     """
     from tqdm.auto import tqdm
+
+    from veloxquant.batch import BatchedCache
+    from veloxquant.methods.base import CompressedCache
 
     windows = np.asarray(windows)
     if windows.ndim != 2 or not np.issubdtype(windows.dtype, np.integer):
@@ -161,55 +195,100 @@ def evaluate_rows(
     if len(set(names)) != len(names):
         raise ValueError(f"Row names must be unique; got {names}.")
 
+    # Caches: per row, one list of per-layer caches per window (ours), or one list with the
+    # windows as its batch (mlx-lm's). Units are what one forward runs: a group of our rows,
+    # or one other row.
+    per_row: list[list[list]] = []
+    for _, _, make in built:
+        first = make(model)
+        if all(isinstance(c, CompressedCache) for c in first):
+            per_row.append([first] + [make(model) for _ in range(n_windows - 1)])
+        else:
+            per_row.append([first])
+    group = max(1, batch_tokens // (n_windows * max(prefill, chunk)))
+    ours = [r for r, c in enumerate(per_row) if isinstance(c[0][0], CompressedCache)]
+
+    def batched(members: list[int]) -> list:
+        return [
+            BatchedCache([per_row[r][w][i] for r in members for w in range(n_windows)])
+            for i in range(len(model.layers))
+        ]
+
+    units = [
+        (ours[g : g + group], batched(ours[g : g + group])) for g in range(0, len(ours), group)
+    ]
+    units += [([r], per_row[r][0]) for r in range(len(built)) if r not in ours]
+    units.sort(key=lambda u: u[0][0])
+
+    tokens = mx.array(windows.astype(np.int32))
+    # The last token is fed too (its logits predict nothing) so the caches end holding the
+    # whole window, as after generating it.
+    targets = tokens[:, 1:]
+    ref_caches = make_cache(model, REFERENCE)
     segments = _segments(seq_len, prefill, chunk)
     sums = [_Sums() for _ in built]
     ref = _Sums()
     bar = tqdm(
-        total=n_windows * len(built) * len(segments),
-        desc="evaluate",
-        unit="chunk",
-        disable=not progress,
+        total=len(units) * len(segments), desc="evaluate", unit="chunk", disable=not progress
     )
-    for w in range(n_windows):
-        tokens = windows[w].astype(np.int32)
-        # The last token is fed too (its logits predict nothing) so the caches end holding the
-        # whole window, as after generating it.
-        targets = mx.array(tokens[1:])
-        ref_caches = make_cache(model, REFERENCE)
-        row_caches = [make(model) for _, _, make in built]
-        for start, end in segments:
-            n_pred = min(end, seq_len - 1) - start
-            after_prefill = start >= prefill
-            x = mx.array(tokens[None, start:end])
-            ref_logp = _log_softmax(model(x, cache=ref_caches)[0, :n_pred])
-            tgt = targets[start : start + n_pred]
-            ref_top = mx.argmax(ref_logp, axis=-1)
-            ref_nll = -mx.take_along_axis(ref_logp, tgt[:, None], axis=-1).sum()
-            ref_p = mx.exp(ref_logp)
-            mx.eval(ref_logp, ref_top, ref_nll, ref_p, [c.state for c in ref_caches])
-            _add(ref, float(ref_nll.item()), 0.0, 0.0, n_pred, after_prefill)
-            for (name, _, _), caches, acc in zip(built, row_caches, sums, strict=True):
-                bar.set_postfix_str(f"window {w + 1}/{n_windows} {name}", refresh=False)
-                logp = _log_softmax(model(x, cache=caches)[0, :n_pred])
-                nll = -mx.take_along_axis(logp, tgt[:, None], axis=-1).sum()
-                kl = (ref_p * (ref_logp - logp)).sum()
-                agree = (mx.argmax(logp, axis=-1) == ref_top).sum()
-                mx.eval(nll, kl, agree, [c.state for c in caches])
+    for start, end in segments:
+        n_pred = min(end, seq_len - 1) - start
+        after_prefill = start >= prefill
+        x = tokens[:, start:end]
+        tgt = targets[:, start : start + n_pred]
+        ref_logp = _log_softmax(model(x, cache=ref_caches)[:, :n_pred])  # [W, n, V]
+        ref_top = mx.argmax(ref_logp, axis=-1)
+        ref_p = mx.exp(ref_logp)
+        ref_nll = -mx.take_along_axis(ref_logp, tgt[..., None], axis=-1).sum()
+        mx.eval(ref_logp, ref_top, ref_p, ref_nll, [c.state for c in ref_caches])
+        _add(ref, float(ref_nll.item()), 0.0, 0.0, n_pred * n_windows, after_prefill)
+        for u, (members, caches) in enumerate(units):
+            bar.set_postfix_str(names[members[0]], refresh=False)
+            if share_prefill and start == 0 and members[0] in ours:
+                if _prefill_from_reference(caches, ref_caches, len(members), end):
+                    # The row's caches returned the reference's keys and values unchanged in
+                    # every layer, so its prefill logits are the reference's, bit for bit.
+                    for r in members:
+                        _add(
+                            sums[r],
+                            float(ref_nll.item()),
+                            0.0,
+                            float(n_pred * n_windows),
+                            n_pred * n_windows,
+                            after_prefill,
+                        )
+                    bar.update(1)
+                    continue
+                for r in members:  # start over with fresh caches and run the model
+                    per_row[r] = [built[r][2](model) for _ in range(n_windows)]
+                caches = batched(members)
+                units[u] = (members, caches)
+            xb = mx.concatenate([x] * len(members), axis=0)
+            logp = _log_softmax(model(xb, cache=caches)[:, :n_pred])
+            logp = logp.reshape(len(members), n_windows, *logp.shape[1:])
+            nll = -mx.take_along_axis(logp, tgt[None, ..., None], axis=-1).sum(axis=(1, 2, 3))
+            kl = (ref_p[None] * (ref_logp[None] - logp)).sum(axis=(1, 2, 3))
+            agree = (mx.argmax(logp, axis=-1) == ref_top[None]).sum(axis=(1, 2))
+            mx.eval(nll, kl, agree, [c.state for c in caches])
+            for k, r in enumerate(members):
                 _add(
-                    acc,
-                    float(nll.item()),
-                    float(kl.item()),
-                    float(agree.item()),
-                    n_pred,
+                    sums[r],
+                    float(nll[k].item()),
+                    float(kl[k].item()),
+                    float(agree[k].item()),
+                    n_pred * n_windows,
                     after_prefill,
                 )
-                bar.update(1)
-        elements = _kv_elements(ref_caches)
-        for caches, acc in zip(row_caches, sums, strict=True):
-            acc.kv_bytes.append(_nbytes(caches))
-            acc.kv_elements.append(elements)
-        del ref_caches, row_caches
+            bar.update(1)
     bar.close()
+    elements = _kv_elements(ref_caches)  # what one uncompressed window holds
+    for r, caches in enumerate(per_row):
+        if r in ours:
+            per_window = [_nbytes(c) for c in caches]
+        else:  # one batched cache: every window holds the same arrays
+            per_window = [_nbytes(caches[0]) // n_windows] * n_windows
+        sums[r].kv_bytes += per_window
+        sums[r].kv_elements += [elements] * n_windows
 
     ppl_ref = math.exp(ref.nll_after / ref.n_after)
     ppl_ref_all = math.exp(ref.nll_all / ref.n_all)

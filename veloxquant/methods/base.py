@@ -19,6 +19,7 @@ from pathlib import Path
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 # The KVCacheConfig fields a method may read besides `method`, `artifact_dir`, `uncalibrated`,
@@ -233,6 +234,32 @@ class CompressedCache(_BaseCache):
     def compressed_tokens(self) -> int:
         """Tokens held coded or evicted rather than at full precision (for stats and tests)."""
         raise NotImplementedError
+
+
+def take_sinks(
+    cache: Any, keys: mx.array, values: mx.array
+) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
+    """Split off the attention-sink tokens of one update (float32 keys/values [B, H, T, D]).
+
+    The first `cache.sinks` tokens of the sequence are kept in fp16 for good
+    (`cache.sink_keys` / `cache.sink_values`, None until the first). Returns (the call's
+    remaining keys, values, then the sinks attention sees in this call: the stored fp16 ones,
+    followed by this call's own sink tokens exactly, as every token of the call is)."""
+    n_sink = min(max(cache.sinks - cache.offset, 0), keys.shape[2])
+    out_k = None if cache.sink_keys is None else cache.sink_keys.astype(mx.float32)
+    out_v = None if cache.sink_values is None else cache.sink_values.astype(mx.float32)
+    if n_sink:
+        new_k, new_v = keys[:, :, :n_sink], values[:, :, :n_sink]
+        out_k = new_k if out_k is None else mx.concatenate([out_k, new_k], axis=2)
+        out_v = new_v if out_v is None else mx.concatenate([out_v, new_v], axis=2)
+        sk, sv = new_k.astype(mx.float16), new_v.astype(mx.float16)
+        if cache.sink_keys is None:
+            cache.sink_keys, cache.sink_values = sk, sv
+        else:
+            cache.sink_keys = mx.concatenate([cache.sink_keys, sk], axis=2)
+            cache.sink_values = mx.concatenate([cache.sink_values, sv], axis=2)
+        keys, values = keys[:, :, n_sink:], values[:, :, n_sink:]
+    return keys, values, out_k, out_v
 
 
 # ---------------------------------------------------------------------------------------------

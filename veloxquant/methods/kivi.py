@@ -62,7 +62,14 @@ import mlx_lm.models.cache as mlx_cache
 import numpy as np
 from mlx_lm.models.cache import create_attention_mask
 
-from veloxquant.methods.base import CompressedCache, Method, ModelDims, pack_state, unpack_state
+from veloxquant.methods.base import (
+    CompressedCache,
+    take_sinks,
+    Method,
+    ModelDims,
+    pack_state,
+    unpack_state,
+)
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 # mx.dequantize (affine) reads these widths; 7 bits, or odd group sizes, take the pure-MLX path.
@@ -391,16 +398,7 @@ class KIVICache(CompressedCache):
             check_group_size(self.group_size, d)
             self.head_dim = d
         recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
-        n_sink = min(max(self.sinks - self.offset, 0), keys.shape[2])
-        if n_sink:
-            sk = recent_k[:, :, :n_sink].astype(mx.float16)
-            sv = recent_v[:, :, :n_sink].astype(mx.float16)
-            if self.sink_keys is None:
-                self.sink_keys, self.sink_values = sk, sv
-            else:
-                self.sink_keys = mx.concatenate([self.sink_keys, sk], axis=2)
-                self.sink_values = mx.concatenate([self.sink_values, sv], axis=2)
-            recent_k, recent_v = recent_k[:, :, n_sink:], recent_v[:, :, n_sink:]
+        recent_k, recent_v, out_sk, out_sv = take_sinks(self, recent_k, recent_v)
         if self.window_keys is not None:
             recent_k = mx.concatenate([self.window_keys.astype(mx.float32), recent_k], axis=2)
             recent_v = mx.concatenate([self.window_values.astype(mx.float32), recent_v], axis=2)
@@ -410,9 +408,9 @@ class KIVICache(CompressedCache):
             dk, dv = self.dequantized()
             out_k.insert(0, dk)
             out_v.insert(0, dv)
-        if self.sink_keys is not None:
-            out_k.insert(0, self.sink_keys.astype(mx.float32))
-            out_v.insert(0, self.sink_values.astype(mx.float32))
+        if out_sk is not None:
+            out_k.insert(0, out_sk)
+            out_v.insert(0, out_sv)
         out_k = out_k[0] if len(out_k) == 1 else mx.concatenate(out_k, axis=2)
         out_v = out_v[0] if len(out_v) == 1 else mx.concatenate(out_v, axis=2)
         # Flush whole blocks of G while the window would keep at least `window` tokens.

@@ -28,6 +28,7 @@ from veloxquant.methods.base import (
     CompressedCache,
     ModelDims,
     pack_state,
+    take_sinks,
     unpack_state,
 )
 from veloxquant.rope import RopeSpec, rotated_mean
@@ -166,19 +167,7 @@ class VecInferCache(CompressedCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         dtype = keys.dtype
         recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
-        n_sink = min(max(self.sinks - self.offset, 0), keys.shape[2])
-        if n_sink:
-            # The first `sinks` tokens (attention sinks) stay in fp16 for good.
-            sk, sv = (
-                recent_k[:, :, :n_sink].astype(mx.float16),
-                recent_v[:, :, :n_sink].astype(mx.float16),
-            )
-            if self.sink_keys is None:
-                self.sink_keys, self.sink_values = sk, sv
-            else:
-                self.sink_keys = mx.concatenate([self.sink_keys, sk], axis=2)
-                self.sink_values = mx.concatenate([self.sink_values, sv], axis=2)
-            recent_k, recent_v = recent_k[:, :, n_sink:], recent_v[:, :, n_sink:]
+        recent_k, recent_v, out_sk, out_sv = take_sinks(self, recent_k, recent_v)
         if self.window_keys is not None:
             recent_k = mx.concatenate([self.window_keys.astype(mx.float32), recent_k], axis=2)
             recent_v = mx.concatenate([self.window_values.astype(mx.float32), recent_v], axis=2)
@@ -190,9 +179,9 @@ class VecInferCache(CompressedCache):
             out_v = mx.concatenate([self.decode_values(self.value_codes), recent_v], axis=2)
         else:
             out_k, out_v = recent_k, recent_v
-        if self.sink_keys is not None:
-            out_k = mx.concatenate([self.sink_keys.astype(mx.float32), out_k], axis=2)
-            out_v = mx.concatenate([self.sink_values.astype(mx.float32), out_v], axis=2)
+        if out_sk is not None:
+            out_k = mx.concatenate([out_sk, out_k], axis=2)
+            out_v = mx.concatenate([out_sv, out_v], axis=2)
         n_old = recent_k.shape[2] - self.window
         if n_old > 0:
             n_coded = 0 if self.key_codes is None else self.key_codes.shape[2]
