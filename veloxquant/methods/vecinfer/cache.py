@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
+from veloxquant import attention
 from veloxquant.codes import pq_decode, pq_encode
 from veloxquant.kmeans import check_finite
 from veloxquant.methods.base import (
@@ -480,7 +481,9 @@ class VecInferCache(CompressedCache):
         arrays, meta = unpack_state(type(self).__name__, v)
         for name in self._ARRAYS:
             setattr(self, name, arrays[name])
-        self.fused, self._pending, self.last_attention = False, None, None
+        # a loaded cache attends the way a fresh one would (the dispatch is process-wide)
+        self.fused = attention.installed() and attention.enabled_by_default()
+        self._pending, self.last_attention = None, None
         self.offset, self.window, self.sinks = (int(meta[k]) for k in ("offset", "window", "sinks"))
         self.key_bits, self.key_sub_dim = int(meta["key_bits"]), int(meta["key_sub_dim"])
         self.value_bits, self.value_sub_dim = int(meta["value_bits"]), int(meta["value_sub_dim"])
@@ -548,7 +551,12 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[VecI
         for i in range(dims.L)
     ]
     # fused attention whenever the model's attention can be routed (veloxquant.attention)
-    from veloxquant.attention import enable_for
-
-    enable_for(model, caches, "vecinfer")
+    attention.enable_for(model, caches, "vecinfer")
     return caches
+
+
+# The dispatch is on by default (VELOXQUANT_FUSED=0 keeps it off); it reroutes only attention
+# calls whose cache is a fused veloxquant cache, so a prompt cache loaded in a fresh process
+# attends exactly as the process that saved it.
+if attention.enabled_by_default():
+    attention.install()
