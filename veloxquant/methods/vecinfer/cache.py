@@ -16,11 +16,13 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
+from veloxquant import attention
 from veloxquant.codes import pq_decode, pq_encode
 from veloxquant.kmeans import check_finite
 from veloxquant.methods.base import (
@@ -116,6 +118,65 @@ class VecInferCache(CompressedCache):
         self.key_codes = self.value_codes = None
         self.window_keys = self.window_values = None
         self.offset = 0
+        # Fused attention (veloxquant.attention): off until the model's attention is routed.
+        self.fused = False
+        self._pending: dict | None = None
+        self.last_attention: str | None = None
+
+    # -- storage. Codes live in buffers that grow in CODE_STEP-token steps, so the fused path
+    # appends a token with a slice update instead of copying the past; `key_codes` /
+    # `value_codes` are the filled part. The fused path keeps the full window as a ring (the
+    # new token takes the leaving token's slot); `window_keys` / `window_values` are in order.
+
+    CODE_STEP = 256
+
+    @property
+    def key_codes(self) -> mx.array | None:
+        return self._filled(self._kbuf)
+
+    @key_codes.setter
+    def key_codes(self, v: mx.array | None) -> None:
+        self._kbuf = v
+        self._n_coded = 0 if v is None else int(v.shape[2])
+
+    @property
+    def value_codes(self) -> mx.array | None:
+        return self._filled(self._vbuf)
+
+    @value_codes.setter
+    def value_codes(self, v: mx.array | None) -> None:
+        self._vbuf = v
+
+    def _filled(self, buf: mx.array | None) -> mx.array | None:
+        if buf is None or buf.shape[2] == self._n_coded:
+            return buf
+        return buf[:, :, : self._n_coded]
+
+    @property
+    def window_keys(self) -> mx.array | None:
+        return self._in_order(self._wk)
+
+    @window_keys.setter
+    def window_keys(self, v: mx.array | None) -> None:
+        self._wk, self._ring = v, 0
+
+    @property
+    def window_values(self) -> mx.array | None:
+        return self._in_order(self._wv)
+
+    @window_values.setter
+    def window_values(self, v: mx.array | None) -> None:
+        self._wv = v
+
+    def _in_order(self, ring: mx.array | None) -> mx.array | None:
+        if ring is None or self._ring == 0:
+            return ring
+        return mx.concatenate([ring[:, :, self._ring :], ring[:, :, : self._ring]], axis=2)
+
+    def _normalize_window(self) -> None:
+        if self._ring:
+            wk, wv = self.window_keys, self.window_values
+            self.window_keys, self.window_values = wk, wv
 
     # -- encode / decode (float32)
 
@@ -165,6 +226,11 @@ class VecInferCache(CompressedCache):
     # -- mlx-lm cache protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.fused:
+            return self._fused_update(keys, values)
+        self._check_no_pending()
+        self._normalize_window()
+        self.last_attention = "transient"
         dtype = keys.dtype
         recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
         recent_k, recent_v, out_sk, out_sv = take_sinks(self, recent_k, recent_v)
@@ -198,6 +264,15 @@ class VecInferCache(CompressedCache):
         self.offset += keys.shape[2]
         return out_k.astype(dtype), out_v.astype(dtype)
 
+    @classmethod
+    def merge(cls, caches: list) -> Any:
+        # BatchedCache drives its rows through update_and_fetch and calls mlx-lm's attention
+        # on the padded batch, so its rows take the transient path.
+        batched = super().merge(caches)
+        for row in batched.caches:
+            row.fused = False
+        return batched
+
     def size(self) -> int:
         return self.offset
 
@@ -214,12 +289,145 @@ class VecInferCache(CompressedCache):
 
     @property
     def nbytes(self) -> int:
-        # Everything resident and nothing else: packed codes, the fp16 window and sinks, this
-        # layer's fp16 codebooks, means and smooth scales (so once per layer), f32 RoPE
-        # frequencies. The dequantized keys/values built in update_and_fetch are transient and
-        # not counted.
-        arrays = (getattr(self, name) for name in self._ARRAYS)
+        # Everything resident and nothing else: packed codes (their whole buffers, unfilled
+        # capacity included), the fp16 window and sinks, this layer's fp16 codebooks, means and
+        # smooth scales (so once per layer), f32 RoPE frequencies. The dequantized keys/values
+        # built in update_and_fetch are transient and not counted.
+        stored = {"key_codes": "_kbuf", "value_codes": "_vbuf"}
+        stored.update(window_keys="_wk", window_values="_wv")
+        arrays = (getattr(self, stored.get(name, name)) for name in self._ARRAYS)
         return int(sum(a.nbytes for a in arrays if a is not None))
+
+    # -- fused attention: update_and_fetch only updates the cache and returns its inputs
+    # unchanged; veloxquant.attention routes the model's attention call to `fused_attention`,
+    # which attends straight from the codes (GPU kernels, or the same algebra in pure MLX).
+
+    @property
+    def attention_path(self) -> str:
+        """How decode attention runs: "kernel" (fused GPU kernels), "reference" (the fused
+        algebra in MLX ops: CPU, or a layout the kernels do not take) or "transient" (the
+        coded past dequantized, then mlx-lm's attention: the fallback). `last_attention` says
+        what the latest call used (prefill chunks always take "reference" when fused)."""
+        if not self.fused:
+            return "transient"
+        from veloxquant.kernels import backend
+        from veloxquant.methods.vecinfer import kernels
+
+        lay = kernels.layout_of(self, self.smooth.shape[0])
+        return "kernel" if backend() and lay.unsupported() is None else "reference"
+
+    def _check_no_pending(self) -> None:
+        if self._pending is not None:
+            self._pending = None
+            raise RuntimeError(
+                "VecInferCache: a fused update was never followed by its attention, so the "
+                "model's attention is not routed through veloxquant.attention (it calls "
+                "something other than mlx-lm's scaled_dot_product_attention). Set "
+                "cache.fused = False on every layer to use the transient path."
+            )
+
+    def _kernel_encode(self) -> bool:
+        from veloxquant.kernels import backend
+        from veloxquant.methods.vecinfer import kernels
+
+        lay = kernels.layout_of(self, self.smooth.shape[0])
+        return backend() is not None and lay.unsupported() is None
+
+    def _encode_rows(self, k_src: mx.array, v_src: mx.array, first: int, n: int, pos: int):
+        """Codes of rows first .. first+n-1 of k_src / v_src [B, H, R, D] at positions pos..:
+        the encode kernel on a GPU, the oracle's encode_keys / encode_values elsewhere."""
+        if k_src.shape[0] == 1 and self._kernel_encode():
+            from veloxquant.methods.vecinfer import kernels
+
+            return kernels.encode(self, k_src, v_src, first, n, pos)
+        k = k_src[:, :, first : first + n].astype(mx.float32)
+        v = v_src[:, :, first : first + n].astype(mx.float32)
+        return self.encode_keys(k, pos), self.encode_values(v)
+
+    def _append_codes(self, kc: mx.array, vc: mx.array) -> None:
+        n0, n = self._n_coded, kc.shape[2]
+        if self._kbuf is None or n0 + n > self._kbuf.shape[2]:
+            cap = -(-(n0 + n) // self.CODE_STEP) * self.CODE_STEP
+            grown = []
+            for buf, new in ((self._kbuf, kc), (self._vbuf, vc)):
+                pad = mx.zeros((*new.shape[:2], cap - n0, new.shape[3]), mx.uint8)
+                grown.append(pad if buf is None else mx.concatenate([buf[:, :, :n0], pad], 2))
+            self._kbuf, self._vbuf = grown
+        self._kbuf[:, :, n0 : n0 + n] = kc
+        self._vbuf[:, :, n0 : n0 + n] = vc
+        self._n_coded = n0 + n
+
+    def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._check_no_pending()
+        f16 = mx.float16
+        n_sink = min(max(self.sinks - self.offset, 0), keys.shape[2])
+        if n_sink:
+            sk, sv = keys[:, :, :n_sink].astype(f16), values[:, :, :n_sink].astype(f16)
+            if self.sink_keys is None:
+                self.sink_keys, self.sink_values = sk, sv
+            else:
+                self.sink_keys = mx.concatenate([self.sink_keys, sk], axis=2)
+                self.sink_values = mx.concatenate([self.sink_values, sv], axis=2)
+        new_k, new_v = keys[:, :, n_sink:], values[:, :, n_sink:]
+        n_new, n_before, w = new_k.shape[2], self._n_coded, self.window
+        n_win = 0 if self._wk is None else self._wk.shape[2]
+        if n_new == 1 and w > 0 and n_win == w:
+            # Decode once the window is full: the oldest token (ring slot `_ring`) leaves and
+            # is encoded; this call's attention still sees it exact, as the transient path.
+            slot = self._ring
+            kc, vc = self._encode_rows(self._wk, self._wv, slot, 1, self.sinks + n_before)
+            self._append_codes(kc, vc)
+            self._pending = {"n_coded": n_before, "win": (self._wk, self._wv)}
+            # copies of the array objects: setitem rebinds the object, and the pending
+            # attention must read the window as it was
+            ring_k, ring_v = copy.copy(self._wk), copy.copy(self._wv)
+            ring_k[:, :, slot : slot + 1] = new_k.astype(f16)
+            ring_v[:, :, slot : slot + 1] = new_v.astype(f16)
+            self._wk, self._wv = ring_k, ring_v
+            self._ring = (slot + 1) % w
+        elif n_new:
+            # Anything else (prefill chunks, the window filling up): window + new tokens in
+            # order; what falls out of the window is encoded.
+            self._normalize_window()
+            recent_k, recent_v = new_k.astype(mx.float32), new_v.astype(mx.float32)
+            if self._wk is not None:
+                recent_k = mx.concatenate([self._wk.astype(mx.float32), recent_k], axis=2)
+                recent_v = mx.concatenate([self._wv.astype(mx.float32), recent_v], axis=2)
+            n_old = recent_k.shape[2] - w
+            if n_old > 0:
+                kc, vc = self._encode_rows(recent_k, recent_v, 0, n_old, self.sinks + n_before)
+                self._append_codes(kc, vc)
+            self._pending = {"n_coded": n_before, "win": None}
+            new_k, new_v = recent_k, recent_v
+            keep = max(n_old, 0)
+            self._wk = recent_k[:, :, keep:].astype(f16)
+            self._wv = recent_v[:, :, keep:].astype(f16)
+        else:
+            self._pending = {"n_coded": n_before, "win": None}
+            new_k, new_v = keys[:, :, :0], values[:, :, :0]
+        self._pending["new"] = (new_k, new_v)
+        self.offset += keys.shape[2]
+        # Not attention inputs: veloxquant.attention sends this layer's attention to
+        # fused_attention, which reads the cache.
+        return keys, values
+
+    def fused_attention(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        """Attention of `queries` over everything the cache holds after the latest update, in
+        the model's dtype, without dequantizing the coded past: the GPU kernels for a single
+        decode query, the pure-MLX twin (same algebra, in pieces) otherwise."""
+        from veloxquant.kernels import backend
+        from veloxquant.methods.vecinfer import kernels
+
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("VecInferCache.fused_attention: no update to attend over")
+        b, n_q, n, _ = queries.shape
+        if b == 1 and n == 1 and mask is None and backend() is not None:
+            if kernels.layout_of(self, n_q).unsupported() is None:
+                self.last_attention = "kernel"
+                return kernels.decode_attention(self, queries, scale, pending)
+        self.last_attention = "reference"
+        return kernels.reference_attention(self, queries, scale, mask, pending)
 
     # -- prompt-cache state: arrays by name, scalars in meta_state (methods/base.py)
 
@@ -262,6 +470,9 @@ class VecInferCache(CompressedCache):
         arrays, meta = unpack_state(type(self).__name__, v)
         for name in self._ARRAYS:
             setattr(self, name, arrays[name])
+        # a loaded cache attends the way a fresh one would (the dispatch is process-wide)
+        self.fused = attention.installed() and attention.enabled_by_default()
+        self._pending, self.last_attention = None, None
         self.offset, self.window, self.sinks = (int(meta[k]) for k in ("offset", "window", "sinks"))
         self.key_bits, self.key_sub_dim = int(meta["key_bits"]), int(meta["key_sub_dim"])
         self.value_bits, self.value_sub_dim = int(meta["value_bits"]), int(meta["value_sub_dim"])
@@ -309,7 +520,7 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[VecI
         if hp.get("center", False):
             means = (artifact.tensors["key_mean"], artifact.tensors["value_mean"])
     rope = RopeSpec.of(model) if means is not None else None
-    return [
+    caches = [
         VecInferCache(
             smooth[i],
             books["key"][i],
@@ -328,3 +539,13 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[VecI
         )
         for i in range(dims.L)
     ]
+    # fused attention whenever the model's attention can be routed (veloxquant.attention)
+    attention.enable_for(model, caches, "vecinfer")
+    return caches
+
+
+# The dispatch is on by default (VELOXQUANT_FUSED=0 keeps it off); it reroutes only attention
+# calls whose cache is a fused veloxquant cache, so a prompt cache loaded in a fresh process
+# attends exactly as the process that saved it.
+if attention.enabled_by_default():
+    attention.install()

@@ -1,0 +1,276 @@
+"""Run veloxquant's generated GPU kernels on the CPU: both the CUDA and the Metal translation
+unit, compiled as C++ with a shim that emulates a threadgroup (one std::thread per GPU thread,
+std::barrier for the threadgroup barrier, an exchange buffer per 32-lane SIMD group for
+shuffles and reductions; threadgroup arrays become statics, shared by the threads of the one
+threadgroup that runs at a time).
+
+This executes the exact kernel text MLX would compile, so the kernel logic (indexing, packing,
+barriers, the online softmax) is tested against the pure-MLX reference in CI, without a GPU
+and for the Metal source as much as the CUDA one. It does not test what only hardware shows:
+speed, the real compilers, memory-model corner cases beyond barrier-ordered threadgroup memory.
+Needs a C++20 compiler (`g++`); tests skip when there is none.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from veloxquant.kernels import CUDA_TYPES, METAL_ATTRIBUTES, METAL_TYPES, KernelSource
+
+CXX = shutil.which("g++")
+
+_COMMON = r"""
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+#include <algorithm>
+using std::max;
+using std::min;
+struct vq_half {
+  _Float16 v;
+  vq_half() = default;
+  vq_half(float f) : v((_Float16)f) {}
+  operator float() const { return (float)v; }
+};
+struct vq_bf16 {
+  uint16_t bits;
+  vq_bf16() = default;
+  vq_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    bits = (uint16_t)(u >> 16);
+  }
+  operator float() const {
+    uint32_t u = (uint32_t)bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+struct float2 {
+  float x, y;
+  float2() = default;
+  float2(float a, float b) : x(a), y(b) {}
+};
+struct float4 {
+  float x, y, z, w;
+  float4() = default;
+  float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
+};
+struct vq_emu_state {
+  std::barrier<>* block = nullptr;
+  std::vector<std::barrier<>*> warps;
+  float xchg[32][32];
+};
+inline vq_emu_state vq_emu;
+inline thread_local unsigned vq_emu_tid = 0;
+inline void vq_emu_block_barrier() { vq_emu.block->arrive_and_wait(); }
+inline float vq_emu_shfl_xor(float v, int m) {
+  const unsigned lane = vq_emu_tid & 31u, w = vq_emu_tid >> 5;
+  vq_emu.xchg[w][lane] = v;
+  vq_emu.warps[w]->arrive_and_wait();
+  const float r = vq_emu.xchg[w][lane ^ (unsigned)m];
+  vq_emu.warps[w]->arrive_and_wait();
+  return r;
+}
+template <class F>
+void vq_emu_run(int gx, int gy, int gz, int threads, F&& body) {
+  for (int z = 0; z < gz; ++z)
+    for (int y = 0; y < gy; ++y)
+      for (int x = 0; x < gx; ++x) {
+        std::barrier<> block(threads);
+        std::vector<std::barrier<>*> warps;
+        for (int w = 0; w < threads / 32; ++w) warps.push_back(new std::barrier<>(32));
+        vq_emu.block = &block;
+        vq_emu.warps = warps;
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; ++t)
+          pool.emplace_back([&, t] {
+            vq_emu_tid = (unsigned)t;
+            body((unsigned)t, (unsigned)x, (unsigned)y, (unsigned)z);
+          });
+        for (auto& th : pool) th.join();
+        for (auto* w : warps) delete w;
+      }
+}
+"""
+
+_CUDA_SHIM = (
+    _COMMON
+    + r"""
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __grid_constant__
+#define VQ_SHARED static
+#define VQ_TG
+typedef vq_half __half;
+typedef vq_bf16 __nv_bfloat16;
+struct vq_dim3 { unsigned x, y, z; };
+inline thread_local vq_dim3 threadIdx, blockIdx;
+inline void __syncthreads() { vq_emu_block_barrier(); }
+inline float __shfl_xor_sync(unsigned, float v, int m) { return vq_emu_shfl_xor(v, m); }
+inline float2 make_float2(float a, float b) { return float2(a, b); }
+inline float4 make_float4(float a, float b, float c, float d) { return float4(a, b, c, d); }
+inline void __sincosf(float x, float* s, float* c) { *s = std::sin(x); *c = std::cos(x); }
+inline void sincosf(float x, float* s, float* c) { *s = std::sin(x); *c = std::cos(x); }
+inline float exp2f(float x) { return std::exp2(x); }
+inline float fmaxf(float a, float b) { return std::fmax(a, b); }
+inline float fminf(float a, float b) { return std::fmin(a, b); }
+namespace cooperative_groups {}
+"""
+)
+
+_METAL_SHIM = (
+    _COMMON
+    + r"""
+#define VQ_SHARED static
+#define VQ_TG
+#define device
+#define threadgroup
+#define constant
+typedef unsigned int uint;
+typedef vq_half half;
+typedef vq_bf16 bfloat16_t;
+struct uint3 { unsigned x, y, z; };
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+inline void threadgroup_barrier(mem_flags) { vq_emu_block_barrier(); }
+inline float simd_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += vq_emu_shfl_xor(x, o);
+  return x;
+}
+inline float simd_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = std::fmax(x, vq_emu_shfl_xor(x, o));
+  return x;
+}
+namespace metal {
+inline float exp2(float x) { return std::exp2(x); }
+inline float fmax(float a, float b) { return std::fmax(a, b); }
+inline float fmin(float a, float b) { return std::fmin(a, b); }
+namespace precise {
+inline float sincos(float x, float& c) { c = std::cos(x); return std::sin(x); }
+}
+namespace fast {
+inline float sincos(float x, float& c) { c = std::cos(x); return std::sin(x); }
+}
+}
+"""
+)
+
+_CACHE = Path(os.environ.get("VELOXQUANT_EMU_CACHE", tempfile.gettempdir())) / "vq_kernel_emu"
+
+
+def _shim_dir() -> Path:
+    root = _CACHE / "shim"
+    files = {
+        "mlx/backend/cuda/device/utils.cuh": _CUDA_SHIM,
+        "cooperative_groups.h": "#pragma once\n",
+        "metal_stdlib": _METAL_SHIM,
+    }
+    for name, text in files.items():
+        path = root / name
+        if not path.exists() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    return root
+
+
+def _stub(source: KernelSource, backend: str, in_types: list[str], out_types: list[str]) -> str:
+    types = CUDA_TYPES if backend == "cuda" else METAL_TYPES
+    args = [f"(const {types[t]}*)bufs[{i}]" for i, t in enumerate(in_types)]
+    n = len(in_types)
+    args += [f"({types[t]}*)bufs[{n + i}]" for i, t in enumerate(out_types)]
+    name = f"custom_kernel_{source.kernel_name}"
+    if backend == "cuda":
+        call = f"mlx::core::cu::{name}({', '.join(args)});"
+        pre = "threadIdx = vq_dim3{t, 0, 0}; blockIdx = vq_dim3{x, y, z};"
+    else:
+        values = {
+            "simdgroup_index_in_threadgroup": "t / 32u",
+            "thread_index_in_simdgroup": "t % 32u",
+            "thread_position_in_threadgroup": "uint3{t, 0, 0}",
+            "threadgroup_position_in_grid": "uint3{x, y, z}",
+        }
+        body = source.metal_body()
+        args += [values[a] for a, _ in METAL_ATTRIBUTES if a in body]
+        call = f"{name}({', '.join(args)});"
+        pre = ""
+    return (
+        'extern "C" void vq_run(void** bufs, int gx, int gy, int gz, int threads) {\n'
+        "  vq_emu_run(gx, gy, gz, threads, [&](unsigned t, unsigned x, unsigned y, unsigned z) {\n"
+        f"    {pre}\n    {call}\n  }});\n}}\n"
+    )
+
+
+def build(source: KernelSource, backend: str, in_types: list[str], out_types: list[str]):
+    """Compile the `backend` ("cuda" or "metal") translation unit of `source` for these
+    input / output dtype names; returns the loaded library (cached by source)."""
+    if CXX is None:
+        raise RuntimeError("no C++ compiler")
+    if backend == "cuda":
+        tu = source.cuda_translation_unit(in_types, out_types)
+    else:
+        tu = source.metal_translation_unit(in_types, out_types)
+    tu += "\n" + _stub(source, backend, in_types, out_types)
+    digest = hashlib.sha1(tu.encode()).hexdigest()[:16]
+    lib = _CACHE / f"{source.name}_{backend}_{digest}.so"
+    if not lib.exists():
+        src = lib.with_suffix(".cpp")
+        src.parent.mkdir(parents=True, exist_ok=True)
+        src.write_text(tu)
+        cmd = [CXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread"]
+        cmd += ["-I", str(_shim_dir()), "-o", str(lib) + ".tmp", str(src)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(
+                f"{backend} source of {source.name} failed to compile:\n{res.stderr}"
+            )
+        os.replace(str(lib) + ".tmp", lib)
+    return ctypes.CDLL(str(lib))
+
+
+def run(
+    source: KernelSource,
+    backend: str,
+    inputs: list[np.ndarray],
+    grid: tuple[int, int, int],
+    output_shapes: list[tuple[int, ...]],
+    output_dtypes: list[str],
+) -> list[np.ndarray]:
+    """Run `source` on numpy inputs (dtypes float32/float16/uint8/int32, or bfloat16 given as
+    uint16 bit patterns with name 'bfloat16' in `output_dtypes`); grid counts threadgroups.
+    Outputs are pre-filled with NaN (or 0xAB bytes) so an unwritten element shows."""
+    names = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+    names.update({np.dtype(np.uint8): "uint8", np.dtype(np.int32): "int32"})
+    names[np.dtype(np.uint32)] = "uint32"
+    in_types = [names[np.asarray(x).dtype] for x in inputs]
+    lib = build(source, backend, in_types, list(output_dtypes))
+    np_types = {"float32": np.float32, "float16": np.float16, "uint8": np.uint8}
+    np_types.update({"int32": np.int32, "bfloat16": np.uint16, "uint32": np.uint32})
+    ins = [np.ascontiguousarray(x) for x in inputs]
+    outs = []
+    for shape, dt in zip(output_shapes, output_dtypes, strict=True):
+        o = np.empty(shape, np_types[dt])
+        if dt in ("float32", "float16"):
+            o.fill(np.nan)
+        else:
+            o.view(np.uint8).fill(0xAB)
+        outs.append(o)
+    ptrs = (ctypes.c_void_p * (len(ins) + len(outs)))(*[a.ctypes.data for a in ins + outs])
+    lib.vq_run(ptrs, grid[0], grid[1], grid[2], source.threads)
+    return outs

@@ -1,0 +1,136 @@
+"""Opt-in dispatch of mlx-lm's attention call to veloxquant's fused attention.
+
+mlx-lm's attention modules call `scaled_dot_product_attention(queries, keys, values, cache=...,
+scale=..., mask=...)`, a name each model module binds at import (`from .base import
+scaled_dot_product_attention`). `install()` rebinds that name, in `mlx_lm.models.base` and in
+every loaded model module that bound it, to `dispatch`:
+
+- when `cache` is a veloxquant cache whose latest update was a fused one (it has a pending
+  attention), the call goes to `cache.fused_attention(queries, scale, mask)`, which attends
+  straight from the codes; the keys and values the cache returned are not read;
+- every other call (any other cache, no cache, a veloxquant cache on its transient path) goes
+  to mlx-lm's own function, unchanged.
+
+`uninstall()` puts mlx-lm's function back everywhere it was replaced. `fused()` is the same as
+a context manager.
+
+A cache only takes the fused path when its `fused` flag is set, and `make_cache` sets it only
+for a model whose attention module looks the name up here (`routes(model)`): a model whose
+attention calls `mx.fast.scaled_dot_product_attention` directly keeps the transient path, and
+says so once in the log. If a fused update is ever not followed by its attention, the cache
+raises at its next update rather than attend wrongly twice. Set `VELOXQUANT_FUSED=0` to keep
+every new cache on the transient path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import mlx_lm.models.base as mlx_base
+
+NAME = "scaled_dot_product_attention"
+log = logging.getLogger("veloxquant")
+
+_original = mlx_base.scaled_dot_product_attention
+_patched: list[Any] = []  # modules whose NAME we replaced
+
+
+def dispatch(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: Any = None,
+) -> Any:
+    """mlx-lm's scaled_dot_product_attention, with veloxquant's fused caches routed to their
+    own attention."""
+    if getattr(cache, "_pending", None) is not None and hasattr(cache, "fused_attention"):
+        if sinks is not None:
+            raise NotImplementedError(
+                "veloxquant fused attention does not take attention-sink logits (sinks=); "
+                "set cache.fused = False for this model"
+            )
+        return cache.fused_attention(queries, scale=scale, mask=mask)
+    return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def installed() -> bool:
+    return mlx_base.scaled_dot_product_attention is dispatch
+
+
+def install() -> None:
+    """Route mlx-lm's attention through `dispatch` (idempotent; model modules imported later
+    bind the routed name from mlx_lm.models.base)."""
+    for name, module in list(sys.modules.items()):
+        if not (name == "mlx_lm.models.base" or name.startswith("mlx_lm.models.")):
+            continue
+        if getattr(module, NAME, None) is _original:
+            setattr(module, NAME, dispatch)
+            _patched.append(module)
+
+
+def uninstall() -> None:
+    """Put mlx-lm's own function back wherever `install` replaced it, and in model modules
+    imported meanwhile (they bound the routed name from mlx_lm.models.base)."""
+    _patched.clear()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, NAME, None) is dispatch:
+            setattr(module, NAME, _original)
+
+
+@contextlib.contextmanager
+def fused() -> Iterator[None]:
+    """`install()` for the duration of a block, restored after (if it was not on before)."""
+    was = installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()
+
+
+def routes(model: Any) -> bool:
+    """Whether `model`'s attention looks up the routed function (every layer's module)."""
+    layers = getattr(model, "layers", None) or []
+    mods = {type(getattr(layer, "self_attn", None)).__module__ for layer in layers}
+    if not mods or not installed():
+        return False
+    return all(getattr(sys.modules.get(m), NAME, None) is dispatch for m in mods)
+
+
+def enabled_by_default() -> bool:
+    return os.environ.get("VELOXQUANT_FUSED", "1") not in ("0", "false", "no")
+
+
+def enable_for(model: Any, caches: list, method: str) -> bool:
+    """Install the dispatch and put `caches` on the fused path when `model`'s attention is
+    routed (and VELOXQUANT_FUSED is not 0); otherwise leave them on the transient path and
+    log why once. Returns whether they are fused."""
+    if not enabled_by_default():
+        return False
+    install()
+    if not routes(model):
+        key = (method, type(model).__module__)
+        if key not in _warned:
+            _warned.add(key)
+            log.info(
+                "veloxquant: %s caches use the transient path for %s: its attention does not "
+                "call mlx-lm's scaled_dot_product_attention by name",
+                method,
+                type(model).__module__,
+            )
+        return False
+    for c in caches:
+        c.fused = True
+    return True
+
+
+_warned: set = set()

@@ -1,0 +1,365 @@
+"""One kernel source, two GPU backends: the template scheme of veloxquant's fused kernels.
+
+A kernel is written once, as the body of a function in a small portable dialect (C-like code
+plus the `VQ_*` macros below), and `KernelSource` turns it into
+- the body for `mx.fast.cuda_kernel` (MLX's CUDA backend), and
+- the body for `mx.fast.metal_kernel` (Apple GPUs),
+each with a prelude (`CUDA_PRELUDE`, `METAL_PRELUDE`) that defines the macros for that backend.
+MLX generates the function signature itself from the input and output names; the prologue
+added here binds the thread and threadgroup indices under backend-neutral names. Compile-time
+constants (head dim, bit widths, tile sizes) are baked into the source as `constexpr` lines, so
+one configuration is one kernel name and MLX compiles it once.
+
+The dialect (what a body may use besides plain C arithmetic):
+    vq_tid              thread index in the threadgroup (1-D threadgroups only)
+    vq_gx, vq_gy, vq_gz threadgroup index in the grid
+    vq_lane, vq_warp    lane in the 32-wide SIMD group (warp), SIMD group index
+    VQ_SHARED           qualifier of threadgroup (shared) arrays, declared at function scope
+    VQ_TG               address space of threadgroup memory in pointer types and casts
+    VQ_FN               qualifier of helper functions (in `helpers`)
+    VQ_GLOBAL           address space of device buffers in casts (`const VQ_GLOBAL uint32_t*`)
+    VQ_BARRIER()        threadgroup barrier (with threadgroup memory ordering)
+    VQ_UNROLL           full unroll of the next loop (its bounds must be constants)
+    VQ_F2(a, b), VQ_F4  float2 / float4 constructors (members .x .y .z .w on both backends)
+    vq_simd_sum/max(x)  reductions over the 32 lanes of a SIMD group (all lanes take part)
+    vq_exp2, VQ_FMAX, VQ_FMIN, VQ_SINCOS(x, s, c) (accurate), VQ_FAST_SINCOS (small angles)
+    uint, uint8_t, uint32_t, half; dtype constants (e.g. Q_T) are `using` aliases.
+Both backends have 32-wide SIMD groups and at least 32 KB of threadgroup memory, which is what
+the kernels assume.
+
+Nothing here needs a GPU: the sources are plain strings, so CI (CPU) checks that every kernel
+generates both and that the Metal one is well-formed (`check_metal_source`). `compiled` builds
+the callable for the backend MLX runs on, or returns None on the CPU, where callers take the
+pure-MLX reference path instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+SIMD_WIDTH = 32
+
+CUDA_PRELUDE = r"""
+#ifndef VQ_PRELUDE
+#define VQ_PRELUDE
+typedef unsigned int uint;
+#ifndef VQ_SHARED
+#define VQ_SHARED __shared__
+#endif
+#ifndef VQ_TG
+#define VQ_TG
+#endif
+#define VQ_GLOBAL
+#define VQ_FN __device__ inline
+#define VQ_BARRIER() __syncthreads()
+#define VQ_UNROLL _Pragma("unroll")
+#define VQ_F2(a, b) make_float2((a), (b))
+#define VQ_F4(a, b, c, d) make_float4((a), (b), (c), (d))
+#define VQ_FMAX(a, b) fmaxf((a), (b))
+#define VQ_FMIN(a, b) fminf((a), (b))
+#define vq_exp2(x) exp2f(x)
+#define VQ_SINCOS(x, s, c) sincosf((x), &(s), &(c))
+#define VQ_FAST_SINCOS(x, s, c) __sincosf((x), &(s), &(c))
+__device__ inline float vq_simd_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ inline float vq_simd_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+#endif
+"""
+
+METAL_PRELUDE = r"""
+#ifndef VQ_PRELUDE
+#define VQ_PRELUDE
+#include <metal_stdlib>
+using namespace metal;
+#ifndef VQ_SHARED
+#define VQ_SHARED threadgroup
+#endif
+#ifndef VQ_TG
+#define VQ_TG threadgroup
+#endif
+#define VQ_GLOBAL device
+#define VQ_FN inline
+#define VQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define VQ_UNROLL _Pragma("clang loop unroll(full)")
+#define VQ_F2(a, b) float2((a), (b))
+#define VQ_F4(a, b, c, d) float4((a), (b), (c), (d))
+#define VQ_FMAX(a, b) metal::fmax((a), (b))
+#define VQ_FMIN(a, b) metal::fmin((a), (b))
+#define vq_exp2(x) metal::exp2(x)
+#define VQ_SINCOS(x, s, c) (s) = metal::precise::sincos((x), (c))
+#define VQ_FAST_SINCOS(x, s, c) (s) = metal::fast::sincos((x), (c))
+inline float vq_simd_sum(float x) { return simd_sum(x); }
+inline float vq_simd_max(float x) { return simd_max(x); }
+#endif
+"""
+
+# Thread and threadgroup indices under backend-neutral names. MLX's Metal signature writer adds
+# an attribute argument for every attribute name the *body* mentions, so these names must
+# appear in the body itself (not in a header).
+CUDA_PROLOGUE = """\
+  const uint vq_tid = threadIdx.x;
+  const uint vq_gx = blockIdx.x;
+  const uint vq_gy = blockIdx.y;
+  const uint vq_gz = blockIdx.z;
+  const uint vq_lane = threadIdx.x & 31u;
+  const uint vq_warp = threadIdx.x >> 5;
+"""
+
+METAL_PROLOGUE = """\
+  const uint vq_tid = thread_position_in_threadgroup.x;
+  const uint vq_gx = threadgroup_position_in_grid.x;
+  const uint vq_gy = threadgroup_position_in_grid.y;
+  const uint vq_gz = threadgroup_position_in_grid.z;
+  const uint vq_lane = thread_index_in_simdgroup;
+  const uint vq_warp = simdgroup_index_in_threadgroup;
+"""
+
+# The attributes METAL_PROLOGUE uses, in the order MLX's signature writer lists them.
+METAL_ATTRIBUTES = (
+    ("simdgroup_index_in_threadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+)
+
+CUDA_TYPES = {
+    "float32": "float",
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "uint8": "uint8_t",
+    "uint32": "uint32_t",
+    "int32": "int32_t",
+}
+METAL_TYPES = {
+    "float32": "float",
+    "float16": "half",
+    "bfloat16": "bfloat16_t",
+    "uint8": "uint8_t",
+    "uint32": "uint32_t",
+    "int32": "int",
+}
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """'float16', 'bfloat16', 'uint8', ... for an mx dtype."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _constant_lines(constants: dict[str, Any], types: dict[str, str]) -> str:
+    lines = []
+    for name, value in constants.items():
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {name} = {value};")
+        elif isinstance(value, float):
+            lines.append(f"  constexpr float {name} = {value!r}f;")
+        elif isinstance(value, mx.Dtype):
+            lines.append(f"  using {name} = {types[dtype_name(value)]};")
+        elif isinstance(value, str):  # a type spelled the same on both backends (float2 ...)
+            lines.append(f"  using {name} = {value};")
+        else:
+            raise TypeError(f"kernel constant {name}: unsupported value {value!r}")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One kernel written once; `cuda_body()` / `metal_body()` are what MLX's kernel builders
+    take as `source`, `header()` their `header`.
+
+    name       base name; the constants' digest is appended so each configuration is its own
+               kernel (MLX caches compiled kernels by name and source).
+    inputs     input buffer names, in call order; outputs likewise.
+    body       the portable body (see the module docstring for the dialect).
+    constants  name -> int / float / bool / mx.Dtype, baked in as constexpr / using lines.
+    threads    threads per threadgroup (1-D).
+    helpers    optional portable helper code placed after the prelude (no attribute names).
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    body: str
+    constants: dict[str, Any] = field(default_factory=dict)
+    threads: int = 128
+    helpers: str = ""
+
+    @property
+    def kernel_name(self) -> str:
+        key = repr(sorted((k, str(v)) for k, v in self.constants.items())) + self.body
+        return f"{self.name}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+    def header(self, backend: str) -> str:
+        prelude = CUDA_PRELUDE if backend == "cuda" else METAL_PRELUDE
+        return prelude + self.helpers
+
+    def cuda_body(self) -> str:
+        return CUDA_PROLOGUE + _constant_lines(self.constants, CUDA_TYPES) + self.body
+
+    def metal_body(self) -> str:
+        return METAL_PROLOGUE + _constant_lines(self.constants, METAL_TYPES) + self.body
+
+    # -- the whole translation unit MLX would compile (for offline compilers and checks) -----
+
+    def cuda_translation_unit(self, input_dtypes: list[str], output_dtypes: list[str]) -> str:
+        """The source MLX 0.32's `cuda_kernel` hands NVRTC for inputs of these dtypes (its
+        `build_kernel`), for nvcc checks here and the CPU emulator in the tests."""
+        args = [
+            f"    const {CUDA_TYPES[d]}* {n}"
+            for n, d in zip(self.inputs, input_dtypes, strict=True)
+        ]
+        args += [
+            f"    {CUDA_TYPES[d]}* {n}" for n, d in zip(self.outputs, output_dtypes, strict=True)
+        ]
+        return (
+            '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+            + self.header("cuda")
+            + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void custom_kernel_{self.kernel_name}(\n"
+            + ",\n".join(args)
+            + ") {\n"
+            + self.cuda_body()
+            + "\n}\n\n} // namespace mlx::core::cu\n"
+        )
+
+    def metal_translation_unit(self, input_dtypes: list[str], output_dtypes: list[str]) -> str:
+        """The source MLX 0.32's `metal_kernel` compiles for inputs of these dtypes (its
+        `write_signature`; every input is assumed to hold >= 8 elements, i.e. `device`)."""
+        args, index = [], 0
+        for n, d in zip(self.inputs, input_dtypes, strict=True):
+            args.append(f"  const device {METAL_TYPES[d]}* {n} [[buffer({index})]]")
+            index += 1
+        for n, d in zip(self.outputs, output_dtypes, strict=True):
+            args.append(f"  device {METAL_TYPES[d]}* {n} [[buffer({index})]]")
+            index += 1
+        body = self.metal_body()
+        for attr, typ in METAL_ATTRIBUTES:
+            if attr in body:
+                args.append(f"  {typ} {attr} [[{attr}]]")
+        return (
+            self.header("metal")
+            + f"[[kernel]] void custom_kernel_{self.kernel_name}(\n"
+            + ",\n".join(args)
+            + ") {\n"
+            + body
+            + "\n}\n"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Running them
+
+
+def backend() -> str | None:
+    """'cuda' or 'metal' when MLX runs on a GPU that takes custom kernels, else None (CPU)."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    if mx.metal.is_available():
+        return "metal"
+    return None
+
+
+_COMPILED: dict[tuple[str, str], Any] = {}
+
+
+def compiled(source: KernelSource) -> Any | None:
+    """The MLX kernel object for the current backend (built once per configuration), or None
+    on the CPU. Call it with MLX's usual keyword arguments (inputs, grid, threadgroup,
+    output_shapes, output_dtypes); the grid counts threads, as in MLX."""
+    which = backend()
+    if which is None:
+        return None
+    key = (which, source.kernel_name)
+    if key not in _COMPILED:
+        if which == "cuda":
+            _COMPILED[key] = mx.fast.cuda_kernel(
+                name=source.kernel_name,
+                input_names=list(source.inputs),
+                output_names=list(source.outputs),
+                source=source.cuda_body(),
+                header=source.header("cuda"),
+            )
+        else:
+            _COMPILED[key] = mx.fast.metal_kernel(
+                name=source.kernel_name,
+                input_names=list(source.inputs),
+                output_names=list(source.outputs),
+                source=source.metal_body(),
+                header=source.header("metal"),
+            )
+    return _COMPILED[key]
+
+
+def launch(
+    source: KernelSource,
+    inputs: list[mx.array],
+    grid: tuple[int, int, int],
+    output_shapes: list[tuple[int, ...]],
+    output_dtypes: list[mx.Dtype],
+) -> list[mx.array]:
+    """Run `source` on the current GPU backend. `grid` counts threadgroups (not threads);
+    every input must hold at least 8 elements (Metal passes smaller ones in the constant
+    address space, which the dialect's `VQ_GLOBAL` casts do not expect)."""
+    kernel = compiled(source)
+    if kernel is None:
+        raise RuntimeError(f"{source.name}: no GPU kernel backend (MLX runs on the CPU)")
+    for name, x in zip(source.inputs, inputs, strict=True):
+        if x.size < 8:
+            raise ValueError(f"{source.name}: input {name} has {x.size} < 8 elements")
+    t = source.threads
+    return kernel(
+        inputs=inputs,
+        grid=(grid[0] * t, grid[1], grid[2]),
+        threadgroup=(t, 1, 1),
+        output_shapes=output_shapes,
+        output_dtypes=output_dtypes,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks that need no GPU
+
+
+def check_metal_source(source: KernelSource, input_dtypes: list[str], output_dtypes: list[str]):
+    """Problems with the Metal translation unit of `source` (empty when well-formed): one
+    `[[kernel]]` entry point with the expected name; buffer bindings 0..n-1 in order, one per
+    input and output, inputs const; the thread-index attributes the prologue uses declared;
+    balanced braces and parentheses; no CUDA-only spellings left in the body."""
+    tu = source.metal_translation_unit(input_dtypes, output_dtypes)
+    problems = []
+    entries = re.findall(r"\[\[kernel\]\]\s+void\s+(\w+)\s*\(", tu)
+    if entries != [f"custom_kernel_{source.kernel_name}"]:
+        problems.append(f"entry points {entries}")
+    bindings = re.findall(r"(const\s+)?device\s+\w+\*\s+(\w+)\s+\[\[buffer\((\d+)\)\]\]", tu)
+    names = [b[1] for b in bindings]
+    if names != list(source.inputs) + list(source.outputs):
+        problems.append(f"buffer names {names}")
+    if [int(b[2]) for b in bindings] != list(range(len(bindings))):
+        problems.append(f"buffer indices {[b[2] for b in bindings]}")
+    n_in = len(source.inputs)
+    if any(not b[0] for b in bindings[:n_in]) or any(b[0] for b in bindings[n_in:]):
+        problems.append("inputs must be const device buffers, outputs writable")
+    for attr, _ in METAL_ATTRIBUTES:
+        if attr in source.metal_body() and f"[[{attr}]]" not in tu:
+            problems.append(f"attribute {attr} used but not declared")
+    for a, b in ("{}", "()", "[]"):
+        if tu.count(a) != tu.count(b):
+            problems.append(f"unbalanced {a}{b}")
+    body = source.metal_body()
+    for cuda_only in ("__shared__", "__syncthreads", "threadIdx", "blockIdx", "__shfl", "__half"):
+        if cuda_only in body:
+            problems.append(f"CUDA spelling {cuda_only} in the Metal body")
+    return problems

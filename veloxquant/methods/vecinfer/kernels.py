@@ -1,0 +1,1115 @@
+"""VecInfer's fused kernels: decode attention straight from the codes, and the encoder.
+
+Both are written once (veloxquant/kernels.py: one template, CUDA and Metal source) and each has
+a pure-MLX twin here that runs everywhere; the twin computes the same function by the same
+algebra and is what CPU runs and what the kernels are tested against (it is itself tested
+against the cache's transient path, the oracle that decodes everything and then attends).
+
+The algebra (per layer, KV head h, query q of one of its G query heads, coded token t at
+absolute position m_t, c_k(t) / c_v(t) its decoded codewords in the coded space):
+
+    k̂_t = Had(c_k(t)) ⊙ λ + RoPE_{m_t}(μ_k)            (VecInferCache.decode_keys)
+    q·k̂_t = q̃·c_k(t) + Σ_j A_j cos(m_t θ_j) + B_j sin(m_t θ_j),   q̃ = Had(q ⊙ λ)
+    (A_j, B_j from q and μ_k on RoPE pair j: the "phase" term of the rotated mean)
+    v̂_t = Had(c_v(t)) ⊙ λ_v + μ_v  ⇒  Σ p_t v̂_t = Had(Σ p_t c_v(t)) ⊙ λ_v + μ_v Σ p_t
+
+so scores need one small codebook gather per sub-vector and no key is ever rebuilt, and the
+value side transforms one aggregated vector per query head instead of every token.
+
+Decode attention (`attention_kernel_sources`, flash-decoding in two launches):
+1. partial: one threadgroup of 128 threads per (sequence split, KV head); it computes q̃ and
+   the phase coefficients for its G query heads once (a KV head's codes are read once for all
+   of them), then walks its split in tiles of 128 tokens: each thread scores one token from its
+   key codes (the key codebook sits in threadgroup memory, replicated per lane when small so
+   random codes hit distinct banks) plus the phase term (the tile's start angle exactly, the
+   offset within the tile from a host-built table, so no per-token sin/cos); an online softmax
+   per head; then each thread owns one value sub-space for a stride of the tile's tokens and
+   accumulates p·C_v[code] for every head. One extra threadgroup per KV head attends the fp16
+   sinks, the fp16 window and the call's own token(s) exactly. Each writes (max, sum, output).
+2. combine: one threadgroup per query head merges the splits (log-sum-exp), applies the
+   Hadamard, λ_v and μ_v once, adds the exact part and writes the output in the model dtype.
+
+Encode (`encode_kernel_source`): one threadgroup per (token, KV head): RoPE_m(μ) subtracted,
+smooth scales, Hadamard in threadgroup memory, nearest centroid per sub-vector with the
+argmin in registers (the distance in `kmeans.nearest`'s form ‖c‖² − 2x·c, first index on
+ties), bit packing; keys and values in one launch for all of a layer's new tokens.
+
+Supported configurations (else callers use the pure-MLX twin): head_dim a power of two in
+[32, 256], sub_dim in {1, 2, 4}, bits <= 12, packed rows a whole number of 32-bit words.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from veloxquant.codes import code_bytes, pq_decode
+from veloxquant.kernels import KernelSource
+from veloxquant.rope import RopeSpec, rotated_mean
+
+TILE = 128  # tokens per tile and threads per threadgroup of the partial kernel
+NEG = -1.0e30  # finite "minus infinity" for running maxima (no inf arithmetic in kernels)
+LOG2E = 1.4426950408889634
+# Threadgroup memory one replicated codebook may take (Apple GPUs have 32 KB in all).
+CODEBOOK_BYTES = 8192
+# Coded tokens each thread scores per tile: the query's transformed sub-vectors and phase
+# coefficients are read from threadgroup memory once for all of them.
+TOKENS_PER_THREAD = 4
+_VEC = {1: "float", 2: "float2", 4: "float4"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The static shape of one VecInfer layer, which is what a compiled kernel depends on."""
+
+    head_dim: int
+    n_kv_heads: int
+    group: int  # query heads per KV head
+    key_bits: int
+    key_sub_dim: int
+    value_bits: int
+    value_sub_dim: int
+    key_books: int  # H_kv or 1 (shared)
+    value_books: int
+    hadamard: bool
+    center: bool  # key mean present (needs RoPE)
+    value_mean: bool
+    value_smooth: bool
+    rope_traditional: bool
+
+    @property
+    def key_bytes(self) -> int:
+        return code_bytes(self.key_bits, self.head_dim // self.key_sub_dim)
+
+    @property
+    def value_bytes(self) -> int:
+        return code_bytes(self.value_bits, self.head_dim // self.value_sub_dim)
+
+    def unsupported(self) -> str | None:
+        """Why the kernels cannot run this layout (None when they can)."""
+        d = self.head_dim
+        if d & (d - 1) or not 32 <= d <= 256:
+            return f"head_dim {d} is not a power of two in [32, 256]"
+        for side, sub, bits, nbytes in (
+            ("key", self.key_sub_dim, self.key_bits, self.key_bytes),
+            ("value", self.value_sub_dim, self.value_bits, self.value_bytes),
+        ):
+            if sub not in _VEC:
+                return f"{side}_sub_dim {sub} is not 1, 2 or 4"
+            if bits > 12:
+                return f"{side}_bits {bits} > 12"
+            if nbytes % 4:
+                return f"{side} code rows of {nbytes} bytes are not whole 32-bit words"
+        if TILE % (d // self.value_sub_dim):
+            return "value sub-spaces do not divide the tile"
+        if self.value_smooth and (self.value_books > 1 and self.value_books != self.n_kv_heads):
+            return "value codebooks neither shared nor per head"
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel sources
+
+# Online-softmax update of one tile, shared by the coded and the exact threadgroups: `s[r][g]`
+# is the score (log2 units) of this thread's token r for head g (NEG when it has none). Leaves
+# p = exp2(s - m_run) in s_p[(vq_tid * RPT + r) * GP + g] and the factor that rescales what was
+# accumulated before in s_alpha; RPT is the tokens per thread of the caller.
+_SOFTMAX_TILE = """
+    VQ_UNROLL
+    for (int g = 0; g < G; ++g) {
+      float tmax = s[0][g];
+      VQ_UNROLL
+      for (int r = 1; r < RPT; ++r) tmax = VQ_FMAX(tmax, s[r][g]);
+      const float wmax = vq_simd_max(tmax);
+      if (vq_lane == 0) s_red[vq_warp * G + g] = wmax;
+    }
+    VQ_BARRIER();
+    if (vq_tid < G) {
+      float mm = s_red[vq_tid];
+      for (int w = 1; w < NWARPS; ++w) mm = VQ_FMAX(mm, s_red[w * G + vq_tid]);
+      const float m_new = VQ_FMAX(s_mrun[vq_tid], mm);
+      s_alpha[vq_tid] = vq_exp2(s_mrun[vq_tid] - m_new);
+      s_mrun[vq_tid] = m_new;
+    }
+    VQ_BARRIER();
+    VQ_UNROLL
+    for (int g = 0; g < G; ++g) {
+      const float mg = s_mrun[g];
+      float tsum = 0.0f;
+      VQ_UNROLL
+      for (int r = 0; r < RPT; ++r) {
+        const float p = s[r][g] > 0.5f * NEG ? vq_exp2(s[r][g] - mg) : 0.0f;
+        s_p[((int)vq_tid * RPT + r) * GP + g] = p;
+        tsum += p;
+      }
+      const float wsum = vq_simd_sum(tsum);
+      if (vq_lane == 0) s_red[vq_warp * G + g] = wsum;
+    }
+    VQ_BARRIER();
+    if (vq_tid < G) {
+      float ss = 0.0f;
+      for (int w = 0; w < NWARPS; ++w) ss += s_red[w * G + vq_tid];
+      s_lrun[vq_tid] = s_lrun[vq_tid] * s_alpha[vq_tid] + ss;
+    }
+"""
+
+_PARTIAL_BODY = (
+    """
+  const int T = iparams[0];          // coded tokens attended
+  const int pos0 = iparams[1];       // absolute position of coded token 0
+  const int tps = iparams[2];        // coded tokens per split (a multiple of TILE * R)
+  const int n_sink = iparams[3];
+  const int n_win = iparams[4];
+  const int n_new = iparams[5];
+  const int cap = iparams[6];        // token capacity of the code buffers
+  const int wcap = iparams[7];       // token capacity of the window buffers
+  const float qscale = fparams[0];   // attention scale * log2(e)
+  const float rscale = fparams[1];   // RoPE position scale
+  const int h = (int)vq_gy;
+  const int split = (int)vq_gx;
+  const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;
+
+  VQ_SHARED float s_q[G * D];            // scaled queries
+  VQ_SHARED float4 s_qt[KM * QS / 4];    // q~ per key sub-space m: [m][g][i], padded to QS
+  VQ_SHARED float4 s_w[CENTER ? P * WS / 4 : 1];  // phase coefficients at the tile start
+  VQ_SHARED float s_red[NWARPS * G];
+  VQ_SHARED float s_mrun[G];
+  VQ_SHARED float s_lrun[G];
+  VQ_SHARED float s_alpha[G];
+  VQ_SHARED float4 s_p4[PBUF / 4];                // p of the tile's tokens: [token][g]
+  VQ_SHARED VVEC s_vb[VCODES * VREP];             // value codebook copies
+  VQ_SHARED float4 s_big[BIG4];                    // key codebook copies, then the reduction
+  VQ_TG KVEC* s_kb = reinterpret_cast<VQ_TG KVEC*>(s_big);
+  VQ_TG float* s_acc = reinterpret_cast<VQ_TG float*>(s_big);
+  VQ_TG float* s_p = reinterpret_cast<VQ_TG float*>(s_p4);
+  VQ_TG float* s_qtf = reinterpret_cast<VQ_TG float*>(s_qt);
+  VQ_TG float* s_wf = reinterpret_cast<VQ_TG float*>(s_w);
+
+  for (int i = (int)vq_tid; i < G * D; i += TILE) {
+    s_q[i] = static_cast<float>(q[(h * G) * D + i]) * qscale;
+  }
+  if (vq_tid < G) {
+    s_mrun[vq_tid] = NEG;
+    s_lrun[vq_tid] = 0.0f;
+  }
+  VQ_BARRIER();
+
+  if (split < n_splits) {
+    // ---- a split of coded tokens: q~ = Had(q * lambda), in the [m][g][i] layout (built in
+    // the p buffer, which no tile uses yet)
+    VQ_TG float* s_h = s_p;
+    for (int i = (int)vq_tid; i < G * D; i += TILE) {
+      s_h[i] = s_q[i] * static_cast<float>(smooth[h * D + (i % D)]);
+    }
+    VQ_BARRIER();
+    if (HAD) {
+      for (int len = 1; len < D; len <<= 1) {
+        for (int idx = (int)vq_tid; idx < G * D / 2; idx += TILE) {
+          const int g = idx / (D / 2), pp = idx % (D / 2);
+          const int i = g * D + (pp / len) * 2 * len + (pp % len);
+          const float a = s_h[i], b = s_h[i + len];
+          s_h[i] = a + b;
+          s_h[i + len] = a - b;
+        }
+        VQ_BARRIER();
+      }
+    }
+    for (int idx = (int)vq_tid; idx < KM * QS; idx += TILE) {
+      const int m = idx / QS, k = idx % QS;
+      const int g = k / KD, i = k % KD;
+      s_qtf[idx] = k < G * KD ? s_h[g * D + m * KD + i] * (HAD ? INV_SQRT_D : 1.0f) : 0.0f;
+    }
+    const int kbook = KBOOKS > 1 ? h : 0;
+    for (int i = (int)vq_tid; i < KCODES * KREP; i += TILE) {
+      const int base = (kbook * KCODES + i / KREP) * KD;
+      s_kb[i] = KLOAD;
+    }
+    const int vbook = VBOOKS > 1 ? h : 0;
+    for (int i = (int)vq_tid; i < VCODES * VREP; i += TILE) {
+      const int base = (vbook * VCODES + i / VREP) * VD;
+      s_vb[i] = VLOAD;
+    }
+    VQ_BARRIER();
+
+    const VQ_GLOBAL uint32_t* kwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(key_codes);
+    const VQ_GLOBAL uint32_t* vwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(value_codes);
+    const VQ_GLOBAL float2* etab = reinterpret_cast<const VQ_GLOBAL float2*>(phase_table);
+    const int mv = (int)vq_tid % VM;      // value sub-space this thread accumulates
+    const int tg = (int)vq_tid / VM;      // ... for tokens tg, tg + TG, ... of each tile
+    const int krep = (int)vq_lane % KREP;
+    const int vrep = (int)vq_lane % VREP;
+    float acc[G][VD];
+    VQ_UNROLL
+    for (int g = 0; g < G; ++g) {
+      VQ_UNROLL
+      for (int i = 0; i < VD; ++i) acc[g][i] = 0.0f;
+    }
+    const int t_begin = split * tps;
+    const int t_end = min(T, t_begin + tps);
+    for (int tile = t_begin; tile < t_end; tile += TILE * R) {
+      if (CENTER) {
+        // W = A - iB per (pair j, head g), rotated to the tile's first position: exact at
+        // every tile start; offsets within the tile come from the host table.
+        const float mpos = rscale * (float)(pos0 + tile);
+        for (int idx = (int)vq_tid; idx < P * G; idx += TILE) {
+          const int j = idx / G, g = idx % G;
+          const int ia = TRAD ? 2 * j : j;
+          const int ib = TRAD ? 2 * j + 1 : j + P;
+          const float mua = static_cast<float>(key_mean[h * D + ia]);
+          const float mub = static_cast<float>(key_mean[h * D + ib]);
+          const float qa = s_q[g * D + ia], qb = s_q[g * D + ib];
+          const float wr = qa * mua + qb * mub;
+          const float wi = qa * mub - qb * mua;
+          float sn, cs;
+          VQ_SINCOS(mpos * inv_freq[j], sn, cs);
+          s_wf[j * WS + 2 * g] = wr * cs - wi * sn;
+          s_wf[j * WS + 2 * g + 1] = wr * sn + wi * cs;
+        }
+        VQ_BARRIER();
+      }
+      // this thread's R consecutive tokens
+      const int t0 = tile + (int)vq_tid * R;
+      float s[R][G];
+      uint32_t w[R][KW];
+      VQ_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const bool ok = t0 + r < t_end;
+        const int row = (h * cap + (ok ? t0 + r : t_begin)) * KW;
+        VQ_UNROLL
+        for (int i = 0; i < KW; ++i) w[r][i] = kwords[row + i];
+        VQ_UNROLL
+        for (int g = 0; g < G; ++g) s[r][g] = 0.0f;
+      }
+      VQ_UNROLL
+      for (int m = 0; m < KM; ++m) {
+        float4 qv[QS / 4];
+        VQ_UNROLL
+        for (int k = 0; k < QS / 4; ++k) qv[k] = s_qt[m * (QS / 4) + k];
+        const int bit = m * KB;
+        VQ_UNROLL
+        for (int r = 0; r < R; ++r) {
+          uint32_t c = w[r][bit >> 5] >> (bit & 31);
+          if ((bit & 31) + KB > 32) c |= w[r][(bit >> 5) + 1] << (32 - (bit & 31));
+          c &= (uint32_t)(KCODES - 1);
+          const KVEC cv = s_kb[(int)c * KREP + krep];
+          VQ_UNROLL
+          for (int g = 0; g < G; ++g) {
+            VQ_UNROLL
+            for (int i = 0; i < KD; ++i) {
+              s[r][g] += vq_comp(qv[(g * KD + i) / 4], (g * KD + i) % 4) * vq_comp(cv, i);
+            }
+          }
+        }
+      }
+      if (CENTER) {
+        // phase: Re(W_j * e^{i theta_j (t - tile)}), the offset rotation from the table for
+        // the thread's first token and by one step for the next ones
+        VQ_UNROLL
+        for (int j = 0; j < P; ++j) {
+          float2 z = etab[(int)vq_tid * P + j];
+          const float2 st = etab[TILE * P + j];
+          float4 wv[WS / 4];
+          VQ_UNROLL
+          for (int k = 0; k < WS / 4; ++k) wv[k] = s_w[j * (WS / 4) + k];
+          VQ_UNROLL
+          for (int r = 0; r < R; ++r) {
+            VQ_UNROLL
+            for (int g = 0; g < G; ++g) {
+              const float wr = vq_comp(wv[(2 * g) / 4], (2 * g) % 4);
+              const float wi = vq_comp(wv[(2 * g + 1) / 4], (2 * g + 1) % 4);
+              s[r][g] += wr * z.x - wi * z.y;
+            }
+            if (r + 1 < R) z = VQ_F2(z.x * st.x - z.y * st.y, z.x * st.y + z.y * st.x);
+          }
+        }
+      }
+      VQ_UNROLL
+      for (int r = 0; r < R; ++r) {
+        if (t0 + r >= t_end) {
+          VQ_UNROLL
+          for (int g = 0; g < G; ++g) s[r][g] = NEG;
+        }
+      }
+"""
+    + _SOFTMAX_TILE.replace("RPT", "R")
+    + """
+      VQ_BARRIER();
+      VQ_UNROLL
+      for (int g = 0; g < G; ++g) {
+        const float al = s_alpha[g];
+        VQ_UNROLL
+        for (int i = 0; i < VD; ++i) acc[g][i] *= al;
+      }
+      const int tile_len = min(TILE * R, t_end - tile);
+      const int vbit = mv * VB;
+      for (int tl = tg; tl < tile_len; tl += TG) {
+        const int row = (h * cap + tile + tl) * VW;
+        uint32_t c = vwords[row + (vbit >> 5)] >> (vbit & 31);
+        if ((vbit & 31) + VB > 32) c |= vwords[row + (vbit >> 5) + 1] << (32 - (vbit & 31));
+        c &= (uint32_t)(VCODES - 1);
+        const VVEC cv = s_vb[(int)c * VREP + vrep];
+        float4 pv[GP / 4];
+        VQ_UNROLL
+        for (int k = 0; k < GP / 4; ++k) pv[k] = s_p4[tl * (GP / 4) + k];
+        VQ_UNROLL
+        for (int g = 0; g < G; ++g) {
+          const float p = vq_comp(pv[g / 4], g % 4);
+          VQ_UNROLL
+          for (int i = 0; i < VD; ++i) acc[g][i] += p * vq_comp(cv, i);
+        }
+      }
+      VQ_BARRIER();
+    }
+    // reduce the TG token strides' accumulators (the codebook copies are no longer read)
+    VQ_UNROLL
+    for (int g = 0; g < G; ++g) {
+      VQ_UNROLL
+      for (int i = 0; i < VD; ++i) s_acc[(tg * G + g) * D + mv * VD + i] = acc[g][i];
+    }
+    VQ_BARRIER();
+    for (int idx = (int)vq_tid; idx < G * D; idx += TILE) {
+      float sum = 0.0f;
+      for (int k = 0; k < TG; ++k) sum += s_acc[k * G * D + idx];
+      part_o[(split * HQ + h * G) * D + idx] = sum;
+    }
+  } else {
+    // ---- the exact tokens: fp16 sinks, fp16 window, the call's own token(s); one per thread
+    const int n_fp = n_sink + n_win + n_new;
+    float acc[NFP];
+    VQ_UNROLL
+    for (int k = 0; k < NFP; ++k) acc[k] = 0.0f;
+    for (int tile = 0; tile < n_fp; tile += TILE) {
+      const int t = tile + (int)vq_tid;
+      float s[1][G];
+      VQ_UNROLL
+      for (int g = 0; g < G; ++g) s[0][g] = t < n_fp ? 0.0f : NEG;
+      if (t < n_fp) {
+        for (int d = 0; d < D; ++d) {
+          const float kd = FP_AT(sink_k, win_k, new_k, t, d);
+          VQ_UNROLL
+          for (int g = 0; g < G; ++g) s[0][g] += s_q[g * D + d] * kd;
+        }
+      }
+"""
+    + _SOFTMAX_TILE.replace("RPT", "1")
+    + """
+      VQ_BARRIER();
+      const int tile_len = min(TILE, n_fp - tile);
+      VQ_UNROLL
+      for (int k = 0; k < NFP; ++k) {
+        const int idx = (int)vq_tid + k * TILE;
+        if (idx < G * D) {
+          const int g = idx / D, d = idx % D;
+          float a = acc[k] * s_alpha[g];
+          for (int tl = 0; tl < tile_len; ++tl) {
+            a += s_p[tl * GP + g] * FP_AT(sink_v, win_v, new_v, tile + tl, d);
+          }
+          acc[k] = a;
+        }
+      }
+      VQ_BARRIER();
+    }
+    VQ_UNROLL
+    for (int k = 0; k < NFP; ++k) {
+      const int idx = (int)vq_tid + k * TILE;
+      if (idx < G * D) part_o[(split * HQ + h * G) * D + idx] = acc[k];
+    }
+  }
+  if (vq_tid < G) {
+    part_m[split * HQ + h * G + vq_tid] = s_mrun[vq_tid];
+    part_l[split * HQ + h * G + vq_tid] = s_lrun[vq_tid];
+  }
+"""
+)
+
+# An exact token's element: sinks, then the window, then the call's own tokens.
+_FP_AT = """
+#define FP_AT(S, W, N, t, d) ((t) < n_sink ? static_cast<float>(S[(h * n_sink + (t)) * D + (d)]) \\
+  : ((t) < n_sink + n_win ? static_cast<float>(W[(h * wcap + (t) - n_sink) * D + (d)]) \\
+  : static_cast<float>(N[(h * n_new + (t) - n_sink - n_win) * D + (d)])))
+"""
+
+_COMBINE_BODY = """
+  const int T = iparams[0];
+  const int tps = iparams[2];
+  const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;
+  const int hq = (int)vq_gx;
+  const int h = hq / G;
+  const int d = (int)vq_tid;
+  VQ_SHARED float s_x[D];
+  float M = NEG;
+  for (int s = 0; s <= n_splits; ++s) M = VQ_FMAX(M, part_m[s * HQ + hq]);
+  float acc = 0.0f, lc = 0.0f;
+  for (int s = 0; s < n_splits; ++s) {
+    const float w = vq_exp2(part_m[s * HQ + hq] - M);
+    acc += w * part_o[(s * HQ + hq) * D + d];
+    lc += w * part_l[s * HQ + hq];
+  }
+  const float wf = vq_exp2(part_m[n_splits * HQ + hq] - M);
+  const float of = wf * part_o[(n_splits * HQ + hq) * D + d];
+  const float lf = wf * part_l[n_splits * HQ + hq];
+  s_x[d] = acc;
+  VQ_BARRIER();
+  if (VHAD) {
+    for (int len = 1; len < D; len <<= 1) {
+      if (d < D / 2) {
+        const int i = (d / len) * 2 * len + (d % len);
+        const float a = s_x[i], b = s_x[i + len];
+        s_x[i] = a + b;
+        s_x[i + len] = a - b;
+      }
+      VQ_BARRIER();
+    }
+  }
+  float v = s_x[d] * (VHAD ? INV_SQRT_D : 1.0f);
+  if (VSMOOTH) v *= static_cast<float>(value_smooth[h * D + d]);
+  if (VMEAN) v += static_cast<float>(value_mean[h * D + d]) * lc;
+  out[hq * D + d] = static_cast<OUT_T>((v + of) / (lc + lf));
+"""
+
+_ENCODE_BODY = """
+  const int n = iparams[0];          // tokens to encode
+  const int first = iparams[1];      // their index in the input rows
+  const int rows = iparams[2];       // rows (tokens) per head in the inputs
+  const int pos = iparams[3];        // absolute position of the first one
+  const float rscale = fparams[1];
+  const int i_tok = (int)vq_gx;
+  const int h = (int)vq_gy;
+  const int d = (int)vq_tid;
+  VQ_SHARED float s_x[D];
+  VQ_SHARED uint s_code[KM > VM ? KM : VM];
+  VQ_SHARED float s_book[(KCODES * KD > VCODES * VD ? KCODES * KD : VCODES * VD)];
+  const int row = (h * rows + first + i_tok) * D;
+
+  // keys: k - RoPE_m(mu), / lambda, Hadamard, nearest codeword per sub-vector
+  float x = static_cast<float>(k_in[row + d]);
+  if (CENTER) {
+    const int j = TRAD ? d / 2 : d % P;
+    const int ia = TRAD ? 2 * j : j;
+    const int ib = TRAD ? 2 * j + 1 : j + P;
+    const float mua = static_cast<float>(key_mean[h * D + ia]);
+    const float mub = static_cast<float>(key_mean[h * D + ib]);
+    // the angle as mx.fast.rope forms it: (scale * position) * inv_freq, in float32
+    const float theta = (rscale * (float)(pos + i_tok)) * inv_freq[j];
+    float sn, cs;
+    VQ_SINCOS(theta, sn, cs);
+    x -= (d == ia) ? (mua * cs - mub * sn) : (mua * sn + mub * cs);
+  }
+  s_x[d] = x / static_cast<float>(smooth[h * D + d]);
+  const int kbook = KBOOKS > 1 ? h : 0;
+  for (int i = d; i < KCODES * KD; i += D) {
+    s_book[i] = static_cast<float>(key_book[kbook * KCODES * KD + i]);
+  }
+  VQ_BARRIER();
+  if (HAD) {
+    for (int len = 1; len < D; len <<= 1) {
+      if (d < D / 2) {
+        const int i = (d / len) * 2 * len + (d % len);
+        const float a = s_x[i], b = s_x[i + len];
+        s_x[i] = a + b;
+        s_x[i + len] = a - b;
+      }
+      VQ_BARRIER();
+    }
+    s_x[d] *= INV_SQRT_D;
+    VQ_BARRIER();
+  }
+  if (d < KM) {
+    float xs[KD];
+    VQ_UNROLL
+    for (int i = 0; i < KD; ++i) xs[i] = s_x[d * KD + i];
+    float best = 3.0e38f;
+    uint arg = 0;
+    for (int c = 0; c < KCODES; ++c) {
+      float cc = 0.0f;
+      float dot = 0.0f;
+      VQ_UNROLL
+      for (int i = 0; i < KD; ++i) {
+        const float ci = s_book[c * KD + i];
+        cc += ci * ci;
+        dot += xs[i] * (-2.0f * ci);
+      }
+      const float dist = dot + cc;
+      if (dist < best) { best = dist; arg = (uint)c; }
+    }
+    s_code[d] = arg;
+  }
+  VQ_BARRIER();
+  for (int b = d; b < KBYTES; b += D) {
+    uint byte = 0;
+    for (int k = 0; k < 8; ++k) {
+      const int p = 8 * b + k;
+      if (p < KM * KB) byte |= ((s_code[p / KB] >> (p % KB)) & 1u) << k;
+    }
+    key_out[((h * n) + i_tok) * KBYTES + b] = (uint8_t)byte;
+  }
+  VQ_BARRIER();
+
+  // values: v - mu_v, then (when calibrated so) / lambda_v and Hadamard
+  float y = static_cast<float>(v_in[row + d]);
+  if (VMEAN) y -= static_cast<float>(value_mean[h * D + d]);
+  if (VSMOOTH) y /= static_cast<float>(value_smooth[h * D + d]);
+  s_x[d] = y;
+  const int vbook = VBOOKS > 1 ? h : 0;
+  for (int i = d; i < VCODES * VD; i += D) {
+    s_book[i] = static_cast<float>(value_book[vbook * VCODES * VD + i]);
+  }
+  VQ_BARRIER();
+  if (VHAD) {
+    for (int len = 1; len < D; len <<= 1) {
+      if (d < D / 2) {
+        const int i = (d / len) * 2 * len + (d % len);
+        const float a = s_x[i], b = s_x[i + len];
+        s_x[i] = a + b;
+        s_x[i + len] = a - b;
+      }
+      VQ_BARRIER();
+    }
+    s_x[d] *= INV_SQRT_D;
+    VQ_BARRIER();
+  }
+  if (d < VM) {
+    float xs[VD];
+    VQ_UNROLL
+    for (int i = 0; i < VD; ++i) xs[i] = s_x[d * VD + i];
+    float best = 3.0e38f;
+    uint arg = 0;
+    for (int c = 0; c < VCODES; ++c) {
+      float cc = 0.0f;
+      float dot = 0.0f;
+      VQ_UNROLL
+      for (int i = 0; i < VD; ++i) {
+        const float ci = s_book[c * VD + i];
+        cc += ci * ci;
+        dot += xs[i] * (-2.0f * ci);
+      }
+      const float dist = dot + cc;
+      if (dist < best) { best = dist; arg = (uint)c; }
+    }
+    s_code[d] = arg;
+  }
+  VQ_BARRIER();
+  for (int b = d; b < VBYTES; b += D) {
+    uint byte = 0;
+    for (int k = 0; k < 8; ++k) {
+      const int p = 8 * b + k;
+      if (p < VM * VB) byte |= ((s_code[p / VB] >> (p % VB)) & 1u) << k;
+    }
+    value_out[((h * n) + i_tok) * VBYTES + b] = (uint8_t)byte;
+  }
+"""
+
+# Component i of a float / float2 / float4 (i a constant after unrolling).
+_HELPERS = """
+#ifndef VQ_VECINFER_HELPERS
+#define VQ_VECINFER_HELPERS
+VQ_FN float vq_comp(float v, int i) { return v; }
+VQ_FN float vq_comp(float2 v, int i) { return i == 0 ? v.x : v.y; }
+VQ_FN float vq_comp(float4 v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+#endif
+"""
+
+
+def _load_expr(sub: int, book: str) -> str:
+    """Expression building one codeword (float / float2 / float4) from fp16 book[base + i]."""
+    parts = [f"static_cast<float>({book}[base + {i}])" for i in range(sub)]
+    if sub == 1:
+        return parts[0]
+    return f"VQ_F{sub}(" + ", ".join(parts) + ")"
+
+
+def _common_constants(lay: Layout) -> dict[str, Any]:
+    d = lay.head_dim
+    return {
+        "D": d,
+        "P": d // 2,
+        "G": lay.group,
+        "HQ": lay.group * lay.n_kv_heads,
+        "KB": lay.key_bits,
+        "KD": lay.key_sub_dim,
+        "KM": d // lay.key_sub_dim,
+        "KCODES": 1 << lay.key_bits,
+        "KBYTES": lay.key_bytes,
+        "KW": lay.key_bytes // 4,
+        "VB": lay.value_bits,
+        "VD": lay.value_sub_dim,
+        "VM": d // lay.value_sub_dim,
+        "VCODES": 1 << lay.value_bits,
+        "VBYTES": lay.value_bytes,
+        "VW": lay.value_bytes // 4,
+        "KBOOKS": lay.key_books,
+        "VBOOKS": lay.value_books,
+        "HAD": lay.hadamard,
+        "VHAD": lay.value_smooth and lay.hadamard,
+        "CENTER": lay.center,
+        "VMEAN": lay.value_mean,
+        "VSMOOTH": lay.value_smooth,
+        "TRAD": lay.rope_traditional,
+        "INV_SQRT_D": 1.0 / math.sqrt(d),
+        "NEG": NEG,
+    }
+
+
+PARTIAL_INPUTS = (
+    "q",
+    "iparams",
+    "fparams",
+    "key_codes",
+    "value_codes",
+    "key_book",
+    "value_book",
+    "smooth",
+    "key_mean",
+    "inv_freq",
+    "phase_table",
+    "sink_k",
+    "sink_v",
+    "win_k",
+    "win_v",
+    "new_k",
+    "new_v",
+)
+
+
+def _replicas(codes: int, sub: int) -> int:
+    """Copies of a codebook in threadgroup memory: enough that a SIMD group's random codes
+    hit distinct banks (accesses of 4·sub bytes are served 32·4 / (4·sub) lanes at a time),
+    within CODEBOOK_BYTES."""
+    reps = 32 // sub
+    while reps > 1 and codes * sub * 4 * reps > CODEBOOK_BYTES:
+        reps //= 2
+    return reps
+
+
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def threadgroup_bytes(lay: Layout, r: int) -> int:
+    """Threadgroup memory of the partial kernel (Apple GPUs allow 32 KB)."""
+    c = _partial_constants(lay, r)
+    floats = lay.group * lay.head_dim + c["KM"] * c["QS"] + c["P"] * c["WS"] + c["PBUF"]
+    floats += 4 * c["BIG4"] + 3 * lay.group + c["NWARPS"] * lay.group
+    return 4 * floats + c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4
+
+
+def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
+    c = _common_constants(lay)
+    vm = lay.head_dim // lay.value_sub_dim
+    tg = TILE // vm
+    krep = _replicas(1 << lay.key_bits, lay.key_sub_dim)
+    gp = _round4(lay.group)
+    return {
+        **c,
+        "TILE": TILE,
+        "R": r,
+        "NWARPS": TILE // 32,
+        "KREP": krep,
+        "VREP": _replicas(1 << lay.value_bits, lay.value_sub_dim),
+        "TG": tg,
+        "QS": _round4(lay.group * lay.key_sub_dim),
+        "WS": _round4(2 * lay.group),
+        "GP": gp,
+        "PBUF": _round4(max(TILE * r * gp, lay.group * lay.head_dim)),
+        "BIG4": -(
+            -max(
+                (1 << lay.key_bits) * krep * lay.key_sub_dim * 4, tg * lay.group * lay.head_dim * 4
+            )
+            // 16
+        ),
+        "NFP": -(-lay.group * lay.head_dim // TILE),
+        "KVEC": _VEC[lay.key_sub_dim],
+        "VVEC": _VEC[lay.value_sub_dim],
+    }
+
+
+def attention_kernel_sources(
+    lay: Layout, out_dtype: mx.Dtype, r: int | None = None
+) -> tuple[KernelSource, KernelSource]:
+    """(partial, combine) kernel sources of decode attention for one layout, with r coded
+    tokens per thread (default TOKENS_PER_THREAD); the combine writes `out_dtype`."""
+    r = TOKENS_PER_THREAD if r is None else r
+    partial = KernelSource(
+        name="vq_vecinfer_attn_partial",
+        inputs=PARTIAL_INPUTS,
+        outputs=("part_m", "part_l", "part_o"),
+        body=_FP_AT
+        + _PARTIAL_BODY.replace("KLOAD", _load_expr(lay.key_sub_dim, "key_book")).replace(
+            "VLOAD", _load_expr(lay.value_sub_dim, "value_book")
+        ),
+        constants=_partial_constants(lay, r),
+        threads=TILE,
+        helpers=_HELPERS,
+    )
+    combine = KernelSource(
+        name="vq_vecinfer_attn_combine",
+        inputs=("part_m", "part_l", "part_o", "iparams", "value_smooth", "value_mean"),
+        outputs=("out",),
+        body=_COMBINE_BODY,
+        constants={**_common_constants(lay), "OUT_T": out_dtype},
+        threads=lay.head_dim,
+    )
+    return partial, combine
+
+
+ENCODE_INPUTS = (
+    "k_in",
+    "v_in",
+    "iparams",
+    "fparams",
+    "smooth",
+    "key_mean",
+    "inv_freq",
+    "value_smooth",
+    "value_mean",
+    "key_book",
+    "value_book",
+)
+
+
+def encode_kernel_source(lay: Layout) -> KernelSource:
+    return KernelSource(
+        name="vq_vecinfer_encode",
+        inputs=ENCODE_INPUTS,
+        outputs=("key_out", "value_out"),
+        body=_ENCODE_BODY,
+        constants=_common_constants(lay),
+        threads=lay.head_dim,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: the cache's arrays as kernel inputs
+
+# Threadgroups the partial kernel aims for (several per multiprocessor on an H200's 132), so
+# that one query's attention fills the GPU; splits never go below MIN_SPLIT tokens.
+TARGET_GROUPS = 528
+MIN_SPLIT = 512
+PARAMS = 16  # int32 slots of iparams (>= 8 elements, see veloxquant.kernels.launch)
+
+
+def layout_of(cache: Any, n_q_heads: int) -> Layout:
+    h, d = cache.smooth.shape
+    return Layout(
+        head_dim=int(d),
+        n_kv_heads=int(h),
+        group=int(n_q_heads) // int(h),
+        key_bits=cache.key_bits,
+        key_sub_dim=cache.key_sub_dim,
+        value_bits=cache.value_bits,
+        value_sub_dim=cache.value_sub_dim,
+        key_books=int(cache.key_codebook.shape[0]),
+        value_books=int(cache.value_codebook.shape[0]),
+        hadamard=cache.hadamard,
+        center=cache.key_mean is not None,
+        value_mean=cache.value_mean is not None,
+        value_smooth=cache.value_smooth is not None,
+        rope_traditional=bool(cache.rope.traditional) if cache.rope is not None else False,
+    )
+
+
+def rope_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
+    """θ_j [D/2] float32 as MLX's rope kernels form them: 1 / freqs, or
+    exp2(-(j / (D/2)) * log2(base)) in float32."""
+    half = head_dim // 2
+    if rope.freqs is not None:
+        return (1.0 / np.asarray(rope.freqs, np.float64)).astype(np.float32)
+    d = np.arange(half, dtype=np.float32) / np.float32(half)
+    return np.exp2(-d * np.float32(np.log2(np.float32(rope.base)))).astype(np.float32)
+
+
+_CONSTS: dict[Any, Any] = {}
+
+
+def _rope_arrays(
+    rope: RopeSpec | None, head_dim: int, r: int = 1
+) -> tuple[mx.array, mx.array, float]:
+    """(inv_freq [P] f32; phase table [TILE + 1, P, 2] f32: row t < TILE is cos/sin of
+    scale·(t·r)·θ_j, the offset of thread t's first token in a tile, row TILE one token's
+    step; the RoPE position scale), built once per RoPE and shared by every layer."""
+    if rope is None:
+        return mx.zeros((8,), mx.float32), mx.zeros((8,), mx.float32), 1.0
+    key = ("rope", head_dim, r, tuple(sorted(rope.meta().items())), id(rope.freqs))
+    if key not in _CONSTS:
+        inv = rope_inv_freq(rope, head_dim)
+        offs = np.concatenate([np.arange(TILE, dtype=np.float64) * r, [1.0]])
+        ang = float(rope.scale) * offs[:, None] * inv.astype(np.float64)
+        table = np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
+        _CONSTS[key] = (mx.array(inv), mx.array(table), float(rope.scale), rope.freqs)
+    inv, table, scale, _ = _CONSTS[key]
+    return inv, table, scale
+
+
+def _dummy(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    key = ("dummy", shape, str(dtype))
+    if key not in _CONSTS:
+        _CONSTS[key] = mx.zeros(shape, dtype)
+    return _CONSTS[key]
+
+
+def split_tokens(n_coded: int, n_kv_heads: int, r: int, target: int = TARGET_GROUPS) -> int:
+    """Coded tokens per split (a multiple of the TILE·r tokens of a tile): enough splits for
+    about `target` threadgroups."""
+    step = TILE * r
+    if n_coded == 0:
+        return step
+    splits = max(1, min(-(-n_coded // max(MIN_SPLIT, step)), -(-target // n_kv_heads)))
+    per = -(-n_coded // splits)
+    return -(-per // step) * step
+
+
+def attention_inputs(
+    cache: Any, queries: mx.array, scale: float, pending: dict, r: int | None = None
+) -> dict:
+    """Everything the two decode-attention launches take, for a one-token query [1, H_q, 1, D]:
+    {'layout', 'partial': [inputs], 'combine_extra': [value_smooth, value_mean], 'groups',
+    'n_splits', 'params'}."""
+    _, n_q, _, d = queries.shape
+    lay = layout_of(cache, n_q)
+    h = lay.n_kv_heads
+    n_coded = int(pending["n_coded"])
+    r = TOKENS_PER_THREAD if r is None else r
+    tps = split_tokens(n_coded, h, r)
+    n_splits = -(-n_coded // tps) if n_coded else 0
+    inv_freq, table, rscale = _rope_arrays(cache.rope, d, r)
+    kbuf, vbuf = cache._kbuf, cache._vbuf
+    if kbuf is None or n_coded == 0:
+        kbuf = _dummy((1, h, 1, lay.key_bytes), mx.uint8)
+        vbuf = _dummy((1, h, 1, lay.value_bytes), mx.uint8)
+    f16 = mx.float16
+    sk, sv = cache.sink_keys, cache.sink_values
+    if sk is None:
+        sk = sv = _dummy((1, h, 1, d), f16)
+        n_sink = 0
+    else:
+        n_sink = int(sk.shape[2])
+    win = pending["win"]
+    if win is None:
+        wk = wv = _dummy((1, h, 1, d), f16)
+        n_win = 0
+    else:
+        wk, wv = win
+        n_win = int(wk.shape[2])
+    nk, nv = pending["new"]
+    iparams = [n_coded, cache.sinks, tps, n_sink, n_win, int(nk.shape[2])]
+    iparams += [int(kbuf.shape[2]), int(wk.shape[2])]
+    iparams = mx.array(iparams + [0] * (PARAMS - len(iparams)), mx.int32)
+    fparams = mx.array([scale * LOG2E, rscale] + [0.0] * 6, mx.float32)
+    key_mean = cache.key_mean if cache.key_mean is not None else cache.smooth
+    partial = [
+        queries.reshape(n_q, d),
+        iparams,
+        fparams,
+        kbuf,
+        vbuf,
+        cache.key_codebook,
+        cache.value_codebook,
+        cache.smooth,
+        key_mean,
+        inv_freq,
+        table,
+        sk,
+        sv,
+        wk,
+        wv,
+        nk,
+        nv,
+    ]
+    vs = cache.value_smooth if cache.value_smooth is not None else cache.smooth
+    vm = cache.value_mean if cache.value_mean is not None else cache.smooth
+    return {
+        "layout": lay,
+        "partial": partial,
+        "combine_extra": [iparams, vs, vm],
+        "groups": (n_splits + 1, h, 1),
+        "n_splits": n_splits,
+        "r": r,
+    }
+
+
+def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict) -> mx.array:
+    """Fused decode attention on the GPU: [1, H_q, 1, D] queries → [1, H_q, 1, D] output."""
+    from veloxquant.kernels import launch
+
+    a = attention_inputs(cache, queries, scale, pending)
+    lay = a["layout"]
+    n_q, d = queries.shape[1], queries.shape[3]
+    partial, combine = attention_kernel_sources(lay, queries.dtype, a["r"])
+    ns = a["n_splits"] + 1
+    part_m, part_l, part_o = launch(
+        partial,
+        a["partial"],
+        a["groups"],
+        [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)],
+        [mx.float32] * 3,
+    )
+    (out,) = launch(
+        combine,
+        [part_m, part_l, part_o, *a["combine_extra"]],
+        (n_q, 1, 1),
+        [(n_q * d,)],
+        [queries.dtype],
+    )
+    return out.reshape(1, n_q, 1, d)
+
+
+def encode_inputs(cache: Any, k_src: mx.array, v_src: mx.array, first: int, n: int, pos: int):
+    """Inputs of the encode launch: rows first .. first+n-1 of k_src / v_src [1, H, R, D]."""
+    h, d = cache.smooth.shape
+    inv_freq, _, rscale = _rope_arrays(cache.rope, int(d))
+    iparams = mx.array([n, first, int(k_src.shape[2]), pos] + [0] * (PARAMS - 4), mx.int32)
+    fparams = mx.array([0.0, rscale] + [0.0] * 6, mx.float32)
+    fill = cache.smooth
+    return [
+        k_src,
+        v_src,
+        iparams,
+        fparams,
+        cache.smooth,
+        cache.key_mean if cache.key_mean is not None else fill,
+        inv_freq,
+        cache.value_smooth if cache.value_smooth is not None else fill,
+        cache.value_mean if cache.value_mean is not None else fill,
+        cache.key_codebook,
+        cache.value_codebook,
+    ]
+
+
+def encode(cache: Any, k_src: mx.array, v_src: mx.array, first: int, n: int, pos: int):
+    """Packed key and value codes [1, H, n, bytes] of rows first .. first+n-1 of k_src / v_src
+    (any float dtype), the first at absolute position `pos`: one launch."""
+    from veloxquant.kernels import launch
+
+    h, d = cache.smooth.shape
+    lay = layout_of(cache, int(h))
+    src = encode_kernel_source(lay)
+    kc, vc = launch(
+        src,
+        encode_inputs(cache, k_src, v_src, first, n, pos),
+        (n, int(h), 1),
+        [(1, int(h), n, lay.key_bytes), (1, int(h), n, lay.value_bytes)],
+        [mx.uint8, mx.uint8],
+    )
+    return kc, vc
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure-MLX twin: the same algebra in MLX ops, over pieces of the coded past
+
+# Scores alive at once in one piece (float32 elements): bounds prefill's peak memory.
+PIECE_ELEMENTS = 1 << 25
+PIECE_TOKENS = 16384
+
+
+def _fp_mask(mask: Any, n_q: int, total: int, start: int, length: int) -> mx.array | None:
+    """The mask columns start .. start+length-1 of a [.., N, total] attention (None: all)."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported attention mask {mask!r}")
+        qpos = mx.arange(total - n_q, total)[:, None]
+        kpos = mx.arange(start, start + length)[None, :]
+        return qpos >= kpos
+    if mask.ndim == 4:  # [B, 1, N, L] against scores [B, H, G, N, L]
+        mask = mask[:, :, None]
+    return mask[..., start : start + length]
+
+
+def _apply_mask(scores: mx.array, m: mx.array | None) -> mx.array:
+    if m is None:
+        return scores
+    if m.dtype == mx.bool_:
+        return mx.where(m, scores, -mx.inf)
+    return scores + m
+
+
+def reference_attention(
+    cache: Any, queries: mx.array, scale: float, mask: Any, pending: dict
+) -> mx.array:
+    """Attention of queries [B, H_q, N, D] over the cache's sinks, its first n_coded coded
+    tokens and the pending exact tokens, by the fused algebra (q̃·codeword + phase, value
+    codewords aggregated before the inverse transform), with an online softmax over pieces of
+    the coded past so no more than a piece is ever decoded. Float32 math."""
+    b, n_q, n, d = queries.shape
+    h = cache.smooth.shape[0]
+    g = n_q // h
+    n_coded = int(pending["n_coded"])
+    fp_k = [] if cache.sink_keys is None else [cache.sink_keys]
+    fp_v = [] if cache.sink_values is None else [cache.sink_values]
+    n_sink = 0 if cache.sink_keys is None else int(cache.sink_keys.shape[2])
+    if pending["win"] is not None:
+        fp_k.append(pending["win"][0])
+        fp_v.append(pending["win"][1])
+    fp_k.append(pending["new"][0])
+    fp_v.append(pending["new"][1])
+    f32 = mx.float32
+    fk = mx.concatenate([x.astype(f32) for x in fp_k], axis=2)
+    fv = mx.concatenate([x.astype(f32) for x in fp_v], axis=2)
+    total = n_coded + int(fk.shape[2])
+
+    # [B, H, G·N, D]: KV head h serves query heads hG .. hG+G-1
+    q = (queries.astype(f32) * scale).reshape(b, h, g * n, d)
+    lam = cache.smooth.astype(f32)[:, None, :]
+    qt = q * lam
+    if cache.hadamard:
+        qt = mx.hadamard_transform(qt)
+
+    def rows(x: mx.array) -> mx.array:  # [B, H, G·N, L] → mask-compatible [B, H, G, N, L]
+        return x.reshape(b, h, g, n, x.shape[-1])
+
+    m_run = mx.full((b, h, g, n, 1), -mx.inf, f32)
+    l_code = mx.zeros((b, h, g, n, 1), f32)
+    o_code = mx.zeros((b, h, g, n, d), f32)
+    piece = max(TILE, min(PIECE_TOKENS, PIECE_ELEMENTS // max(1, b * n_q * n)))
+    kbuf, vbuf = cache._kbuf, cache._vbuf
+    for a in range(0, n_coded, piece):
+        e = min(n_coded, a + piece)
+        kt = pq_decode(kbuf[:, :, a:e], cache.key_codebook, cache.key_sub_dim, cache.key_bits, d)
+        s = qt @ kt.swapaxes(-1, -2)
+        if cache.key_mean is not None:
+            mu = rotated_mean(cache.key_mean.astype(f32), cache.rope, cache.sinks + a, e - a)
+            s = s + q @ mu.swapaxes(-1, -2)
+        s = _apply_mask(rows(s), _fp_mask(mask, n, total, n_sink + a, e - a))
+        m_new = mx.maximum(m_run, s.max(axis=-1, keepdims=True))
+        alpha = mx.exp(m_run - m_new)
+        p = mx.exp(s - m_new)
+        vt = pq_decode(
+            vbuf[:, :, a:e], cache.value_codebook, cache.value_sub_dim, cache.value_bits, d
+        )
+        pv = p.reshape(b, h, g * n, e - a) @ vt
+        o_code = o_code * alpha + pv.reshape(b, h, g, n, d)
+        l_code = l_code * alpha + p.sum(axis=-1, keepdims=True)
+        m_run = m_new
+        if n > 1:  # prefill: keep one piece's intermediates alive at a time
+            mx.eval(m_run, l_code, o_code)
+
+    # the exact tokens: sinks, then the pending window and call tokens, in position order
+    s = q @ fk.swapaxes(-1, -2)
+    fp_cols = [(0, n_sink)] if n_sink else []
+    fp_cols.append((n_sink + n_coded, int(fk.shape[2]) - n_sink))
+    masks = [_fp_mask(mask, n, total, st, ln) for st, ln in fp_cols]
+    fm = None if masks[0] is None else mx.concatenate(masks, axis=-1)
+    s = _apply_mask(rows(s), fm)
+    m_new = mx.maximum(m_run, s.max(axis=-1, keepdims=True))
+    alpha = mx.exp(m_run - m_new)
+    p = mx.exp(s - m_new)
+    o_fp = (p.reshape(b, h, g * n, -1) @ fv).reshape(b, h, g, n, d)
+    l_fp = p.sum(axis=-1, keepdims=True)
+    o_code, l_code = o_code * alpha, l_code * alpha
+
+    # Σ p v̂ = Had(Σ p c_v) ⊙ λ_v + μ_v Σ p (coded part), plus the exact part
+    if cache.value_smooth is not None:
+        if cache.hadamard:
+            o_code = mx.hadamard_transform(o_code)
+        o_code = o_code * cache.value_smooth.astype(f32)[None, :, None, None, :]
+    if cache.value_mean is not None:
+        o_code = o_code + cache.value_mean.astype(f32)[None, :, None, None, :] * l_code
+    out = (o_code + o_fp) / (l_code + l_fp)
+    return out.reshape(b, n_q, n, d).astype(queries.dtype)
