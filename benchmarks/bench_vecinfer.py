@@ -32,7 +32,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from veloxquant import KVCacheConfig, make_cache
+from veloxquant import KVCacheConfig, attention, make_cache
+from veloxquant.kernels import backend as kernel_backend
 from veloxquant.methods.vecinfer import DEFAULTS, METHOD
 from veloxquant.model_import import load_model
 
@@ -135,6 +136,7 @@ def filled_caches(model, config: KVCacheConfig | None, n_tokens: int, chunk: int
     rng = np.random.default_rng(0)
     dtype = model_dtype(model)
     for c in caches:
+        c.fused = False  # filled without attention calls; the arm picks its path after
         for s in range(0, n_tokens, chunk):
             m = min(chunk, n_tokens - s)
             x = mx.array(
@@ -190,29 +192,45 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
     for ctx in args.contexts:
         fp = filled_caches(model, None, ctx)
         vi = filled_caches(model, config, ctx)
-        for caches in (fp, vi):
-            decode_step(model, caches, token)  # warm-up
-        t_fp, t_vi, ratios = [], [], []
+        arms = {"fp16 KVCache": fp, "vecinfer transient": vi}
+        if attention.routes(model) and kernel_backend() is not None:
+            fused = filled_caches(model, config, ctx)
+            for c in fused:
+                c.fused = True
+            arms["vecinfer fused"] = fused
+        if "vecinfer fused" in arms:
+            # same contents (same fill), so the first step's logits must agree
+            lt = model(token, cache=vi).astype(mx.float32)
+            lf = model(token, cache=arms["vecinfer fused"]).astype(mx.float32)
+            err = float(mx.abs(lt - lf).max())
+            print(
+                f"  fused vs transient logits at {ctx}: max |diff| {err:.4g} "
+                f"(max |logit| {float(mx.abs(lt).max()):.4g}), same argmax "
+                f"{bool(mx.array_equal(lt.argmax(-1), lf.argmax(-1)))}"
+            )
+        for caches in arms.values():
+            decode_step(model, caches, token)  # warm-up: compile, allocate
+        times = {name: [] for name in arms}
+        names = list(arms)
         for r in range(args.repeats):
-            arms = [(fp, t_fp), (vi, t_vi)] if r % 2 == 0 else [(vi, t_vi), (fp, t_fp)]
-            for caches, out in arms:
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate the order
                 t0 = time.perf_counter()
-                decode_step(model, caches, token)
-                out.append(time.perf_counter() - t0)
-            ratios.append(t_vi[-1] / t_fp[-1])
-        print(f"decode step at {ctx} context ({args.repeats} interleaved pairs):")
-        print(f"  fp16 KVCache     {fmt(t_fp, 1e3, ' ms')}")
+                decode_step(model, arms[name], token)
+                times[name].append(time.perf_counter() - t0)
+        if "vecinfer fused" in arms:
+            paths = {c.last_attention for c in arms["vecinfer fused"]}
+            assert paths == {"kernel"}, f"fused arm attended via {paths}"
+        print(f"decode step at {ctx} context ({args.repeats} interleaved repeats):")
+        for name in names:
+            print(f"  {name:<20} {fmt(times[name], 1e3, ' ms')}")
+        for name in names[1:]:
+            ratios = [a / b for a, b in zip(times[name], times[names[0]], strict=True)]
+            print(f"  ratio {name} / fp16: {fmt(ratios, unit='x')}")
         print(
-            f"  vecinfer         {fmt(t_vi, 1e3, ' ms')}  (transient dequantization of all codes)"
+            "  resident bytes: "
+            + ", ".join(f"{n} {sum(c.nbytes for c in arms[n]) / 2**20:.2f} MiB" for n in names)
         )
-        print(f"  ratio vecinfer/fp16 {fmt(ratios, unit='x')}")
-        bytes_fp = sum(c.nbytes for c in fp)
-        bytes_vi = sum(c.nbytes for c in vi)
-        print(
-            f"  resident bytes: KVCache {bytes_fp / 2**20:.2f} MiB ({model_dtype(model)}), "
-            f"vecinfer {bytes_vi / 2**20:.2f} MiB"
-        )
-        del fp, vi
+        del fp, vi, arms
 
 
 def main() -> None:

@@ -18,8 +18,12 @@ A cache only takes the fused path when its `fused` flag is set, and `make_cache`
 for a model whose attention module looks the name up here (`routes(model)`): a model whose
 attention calls `mx.fast.scaled_dot_product_attention` directly keeps the transient path, and
 says so once in the log. If a fused update is ever not followed by its attention, the cache
-raises at its next update rather than attend wrongly twice. Set `VELOXQUANT_FUSED=0` to keep
-every new cache on the transient path.
+raises at its next update rather than attend wrongly twice.
+
+`VELOXQUANT_FUSED` picks the path of new caches: `auto` (the default) fuses where MLX runs on a
+GPU that takes the kernels (CUDA or Metal), and keeps the transient path on the CPU, where it is
+what the evaluation numbers were measured with; `1` fuses everywhere (the pure-MLX twin of the
+kernels on the CPU); `0` never fuses.
 """
 
 from __future__ import annotations
@@ -106,15 +110,29 @@ def routes(model: Any) -> bool:
     return all(getattr(sys.modules.get(m), NAME, None) is dispatch for m in mods)
 
 
-def enabled_by_default() -> bool:
-    return os.environ.get("VELOXQUANT_FUSED", "1") not in ("0", "false", "no")
+MODES = {"auto": None, "1": True, "0": False}
+
+
+def wanted() -> bool:
+    """Whether new caches take the fused path, by VELOXQUANT_FUSED (module docstring)."""
+    value = os.environ.get("VELOXQUANT_FUSED", "auto").strip().lower()
+    if value not in MODES:
+        raise ValueError(
+            f"VELOXQUANT_FUSED={value!r}: expected one of {sorted(MODES)} "
+            "(auto: fused on a GPU only; 1: always; 0: never)"
+        )
+    if MODES[value] is None:
+        from veloxquant.kernels import backend
+
+        return backend() is not None
+    return MODES[value]
 
 
 def enable_for(model: Any, caches: list, method: str) -> bool:
     """Install the dispatch and put `caches` on the fused path when `model`'s attention is
-    routed (and VELOXQUANT_FUSED is not 0); otherwise leave them on the transient path and
-    log why once. Returns whether they are fused."""
-    if not enabled_by_default():
+    routed and VELOXQUANT_FUSED asks for it (`wanted`); otherwise leave them on the transient
+    path (logging once why, when the model is the reason). Returns whether they are fused."""
+    if not wanted():
         return False
     install()
     if not routes(model):

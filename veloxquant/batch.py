@@ -36,6 +36,11 @@ class BatchedCache(_BaseCache):
         if not caches:
             raise ValueError("BatchedCache needs at least one sequence's cache.")
         self.caches = list(caches)
+        # The batch is attended by mlx-lm's attention on the concatenated rows, so no row may
+        # take a fused path (veloxquant.attention) that leaves attention to the cache itself.
+        for row in self.caches:
+            if getattr(row, "fused", False):
+                row.fused = False
         # Real tokens each row still expects in a right-padded prefill (None: no padding).
         self._remaining: list[int] | None = None
 

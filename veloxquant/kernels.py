@@ -35,6 +35,7 @@ pure-MLX reference path instead.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -195,7 +196,7 @@ class KernelSource:
     threads: int = 128
     helpers: str = ""
 
-    @property
+    @functools.cached_property
     def kernel_name(self) -> str:
         key = repr(sorted((k, str(v)) for k, v in self.constants.items())) + self.body
         return f"{self.name}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"

@@ -64,8 +64,10 @@ class RopeSpec:
 
     def apply(self, x: mx.array, offset: int) -> mx.array:
         """RoPE of x [..., T, D] at positions offset, offset + 1, ... (float32)."""
+        # contiguous: MLX 0.32.4's CUDA rope misreads stride-0 (broadcast) inputs such as the
+        # rotated key mean's, which the CPU and Metal kernels read correctly
         return mx.fast.rope(
-            x.astype(mx.float32),
+            mx.contiguous(x.astype(mx.float32)),
             self.dims,
             traditional=self.traditional,
             base=self.base,

@@ -264,14 +264,16 @@ class VecInferCache(CompressedCache):
         self.offset += keys.shape[2]
         return out_k.astype(dtype), out_v.astype(dtype)
 
-    @classmethod
-    def merge(cls, caches: list) -> Any:
-        # BatchedCache drives its rows through update_and_fetch and calls mlx-lm's attention
-        # on the padded batch, so its rows take the transient path.
-        batched = super().merge(caches)
-        for row in batched.caches:
-            row.fused = False
-        return batched
+    def __copy__(self) -> VecInferCache:
+        # The fused path appends codes and writes the window ring with slice assignment, which
+        # rebinds the array object it is called on: a shallow copy (BatchedCache.merge, mlx-lm's
+        # prompt cache) gets its own objects so that neither copy's writes reach the other.
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        for name in ("_kbuf", "_vbuf", "_wk", "_wv"):
+            if getattr(self, name) is not None:
+                setattr(new, name, copy.copy(getattr(self, name)))
+        return new
 
     def size(self) -> int:
         return self.offset
@@ -360,15 +362,9 @@ class VecInferCache(CompressedCache):
     def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._check_no_pending()
         f16 = mx.float16
-        n_sink = min(max(self.sinks - self.offset, 0), keys.shape[2])
-        if n_sink:
-            sk, sv = keys[:, :, :n_sink].astype(f16), values[:, :, :n_sink].astype(f16)
-            if self.sink_keys is None:
-                self.sink_keys, self.sink_values = sk, sv
-            else:
-                self.sink_keys = mx.concatenate([self.sink_keys, sk], axis=2)
-                self.sink_values = mx.concatenate([self.sink_values, sv], axis=2)
-        new_k, new_v = keys[:, :, n_sink:], values[:, :, n_sink:]
+        # a call's own sink tokens are attended exactly, as on the transient path
+        own_sinks = self.offset < self.sinks
+        new_k, new_v, out_sk, out_sv = take_sinks(self, keys, values)
         n_new, n_before, w = new_k.shape[2], self._n_coded, self.window
         n_win = 0 if self._wk is None else self._wk.shape[2]
         if n_new == 1 and w > 0 and n_win == w:
@@ -406,6 +402,7 @@ class VecInferCache(CompressedCache):
             self._pending = {"n_coded": n_before, "win": None}
             new_k, new_v = keys[:, :, :0], values[:, :, :0]
         self._pending["new"] = (new_k, new_v)
+        self._pending["sinks"] = (out_sk, out_sv) if own_sinks else None
         self.offset += keys.shape[2]
         # Not attention inputs: veloxquant.attention sends this layer's attention to
         # fused_attention, which reads the cache.
@@ -470,8 +467,10 @@ class VecInferCache(CompressedCache):
         arrays, meta = unpack_state(type(self).__name__, v)
         for name in self._ARRAYS:
             setattr(self, name, arrays[name])
-        # a loaded cache attends the way a fresh one would (the dispatch is process-wide)
-        self.fused = attention.installed() and attention.enabled_by_default()
+        # a loaded cache attends the way a fresh one would in this process
+        self.fused = attention.wanted()
+        if self.fused:
+            attention.install()
         self._pending, self.last_attention = None, None
         self.offset, self.window, self.sinks = (int(meta[k]) for k in ("offset", "window", "sinks"))
         self.key_bits, self.key_sub_dim = int(meta["key_bits"]), int(meta["key_sub_dim"])
@@ -542,10 +541,3 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[VecI
     # fused attention whenever the model's attention can be routed (veloxquant.attention)
     attention.enable_for(model, caches, "vecinfer")
     return caches
-
-
-# The dispatch is on by default (VELOXQUANT_FUSED=0 keeps it off); it reroutes only attention
-# calls whose cache is a fused veloxquant cache, so a prompt cache loaded in a fresh process
-# attends exactly as the process that saved it.
-if attention.enabled_by_default():
-    attention.install()

@@ -735,6 +735,18 @@ def attention_kernel_sources(
     """(partial, combine) kernel sources of decode attention for one layout, with r coded
     tokens per thread (default TOKENS_PER_THREAD); the combine writes `out_dtype`."""
     r = TOKENS_PER_THREAD if r is None else r
+    key = ("attention", lay, str(out_dtype), r)
+    if key not in _SOURCES:  # built once: decode calls this per layer and token
+        _SOURCES[key] = _attention_kernel_sources(lay, out_dtype, r)
+    return _SOURCES[key]
+
+
+_SOURCES: dict[Any, Any] = {}
+
+
+def _attention_kernel_sources(
+    lay: Layout, out_dtype: mx.Dtype, r: int
+) -> tuple[KernelSource, KernelSource]:
     partial = KernelSource(
         name="vq_vecinfer_attn_partial",
         inputs=PARTIAL_INPUTS,
@@ -774,6 +786,13 @@ ENCODE_INPUTS = (
 
 
 def encode_kernel_source(lay: Layout) -> KernelSource:
+    key = ("encode", lay)
+    if key not in _SOURCES:
+        _SOURCES[key] = _encode_kernel_source(lay)
+    return _SOURCES[key]
+
+
+def _encode_kernel_source(lay: Layout) -> KernelSource:
     return KernelSource(
         name="vq_vecinfer_encode",
         inputs=ENCODE_INPUTS,
@@ -935,9 +954,13 @@ def attention_inputs(
 
 def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict) -> mx.array:
     """Fused decode attention on the GPU: [1, H_q, 1, D] queries → [1, H_q, 1, D] output."""
+    return launch_attention(attention_inputs(cache, queries, scale, pending), queries)
+
+
+def launch_attention(a: dict, queries: mx.array) -> mx.array:
+    """The two decode-attention launches on inputs from `attention_inputs`."""
     from veloxquant.kernels import launch
 
-    a = attention_inputs(cache, queries, scale, pending)
     lay = a["layout"]
     n_q, d = queries.shape[1], queries.shape[3]
     partial, combine = attention_kernel_sources(lay, queries.dtype, a["r"])
@@ -1041,9 +1064,10 @@ def reference_attention(
     h = cache.smooth.shape[0]
     g = n_q // h
     n_coded = int(pending["n_coded"])
-    fp_k = [] if cache.sink_keys is None else [cache.sink_keys]
-    fp_v = [] if cache.sink_values is None else [cache.sink_values]
-    n_sink = 0 if cache.sink_keys is None else int(cache.sink_keys.shape[2])
+    sink_k, sink_v = pending.get("sinks") or (cache.sink_keys, cache.sink_values)
+    fp_k = [] if sink_k is None else [sink_k]
+    fp_v = [] if sink_v is None else [sink_v]
+    n_sink = 0 if sink_k is None else int(sink_k.shape[2])
     if pending["win"] is not None:
         fp_k.append(pending["win"][0])
         fp_v.append(pending["win"][1])

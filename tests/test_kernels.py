@@ -1,0 +1,306 @@
+"""VecInfer's fused decode attention (methods/vecinfer/kernels.py, veloxquant/attention.py).
+
+Three layers of checks, all on the real model with a real (tiny) calibration:
+1. the pure-MLX twin of the kernels, routed in through mlx-lm's attention call, against the
+   transient path (decode every code, then mlx-lm's attention): same codes, same logits, same
+   greedy tokens;
+2. the generated CUDA and Metal kernel sources, run on the CPU by tests/kernel_emulator.py,
+   against the twin on the same cache (decode attention over several splits, and the encoder);
+3. the dispatch's contract: which path a cache takes, and the clear errors when it cannot.
+On a GPU (MLX's CUDA or Metal backend) benchmarks/bench_kernels.py runs the same comparisons on
+the real kernels; its results are in benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests import kernel_emulator as emu
+from veloxquant import KVCacheConfig, attention, make_cache
+from veloxquant.calibrate import calibrate
+from veloxquant.codes import unpack_codes
+from veloxquant.kernels import backend, check_metal_source
+from veloxquant.methods.vecinfer import VecInferCache
+from veloxquant.methods.vecinfer import kernels as K
+
+needs_cxx = pytest.mark.skipif(emu.CXX is None, reason="no C++ compiler for the kernel emulator")
+
+
+@pytest.fixture(scope="module")
+def bundle(calib_dir, smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("kernels")
+    calibrate(
+        "vecinfer",
+        calib_dir / "activations",
+        smollm2_dir,
+        root / "bundle",
+        progress=False,
+        iters=4,
+        max_vectors=4096,
+    )
+    return root / "bundle"
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2, eval_text):
+    _, tok = smollm2
+    return mx.array(tok.encode(eval_text)[:700])[None]
+
+
+def _caches(model, config, fused: bool, monkeypatch) -> list:
+    monkeypatch.setenv("VELOXQUANT_FUSED", "1" if fused else "0")
+    caches = make_cache(model, config)
+    assert all(c.fused == fused for c in caches)
+    return caches
+
+
+def _prefill(model, caches, tokens: mx.array, chunk: int = 256) -> mx.array:
+    for s in range(0, tokens.shape[1], chunk):
+        logits = model(tokens[:, s : s + chunk], cache=caches)
+        mx.eval(logits)
+    return logits[:, -1]
+
+
+CONFIGS = {
+    # the calibrated default layout: d2b6 keys, d4b6 values, key/value means, value scales
+    "calibrated": {},
+    # upstream's uncentred d4b8 Gaussian codebooks, no value transform, a short window
+    "uncalibrated-d4b8": {"uncalibrated": True, "window": 8, "sinks": 1},
+}
+
+
+def _config(name: str, bundle) -> KVCacheConfig:
+    kw = dict(CONFIGS[name])
+    if not kw.pop("uncalibrated", False):
+        return KVCacheConfig(method="vecinfer", artifact_dir=str(bundle), **kw)
+    opts = {"key_sub_dim": 4, "key_bits": 8, "value_sub_dim": 4, "value_bits": 8}
+    return KVCacheConfig(method="vecinfer", uncalibrated=True, options=opts, **kw)
+
+
+# ------------------------------------------------------------------ 1. twin vs transient
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_twin_matches_transient_path_on_the_real_model(
+    name, smollm2, bundle, prompt, monkeypatch
+):
+    model, _ = smollm2
+    config = _config(name, bundle)
+    ref = _caches(model, config, False, monkeypatch)
+    fused = _caches(model, config, True, monkeypatch)
+    # prefill in chunks (the twin with a causal mask), then greedy decode (one query)
+    la, lb = _prefill(model, ref, prompt), _prefill(model, fused, prompt)
+    assert all(c.last_attention == "reference" for c in fused)
+    assert all(c.last_attention == "transient" for c in ref)
+    for step in range(64):  # 64 greedy tokens, the same on both paths
+        # float32 rounding of two algebraically equal sums, compounded over 30 layers and
+        # 700 tokens, is ~1e-2 on logits of ~20 after prefill and drifts to ~0.1 over 64 steps
+        # (each token's keys carry it); a wrong term in the algebra is O(1) at once
+        atol = 5e-2 if step == 0 else 0.3
+        np.testing.assert_allclose(np.array(lb), np.array(la), atol=atol, rtol=0)
+        tok = mx.argmax(la, axis=-1)
+        assert mx.array_equal(tok, mx.argmax(lb, axis=-1)), step
+        la = model(tok[:, None], cache=ref)[:, -1]
+        lb = model(tok[:, None], cache=fused)[:, -1]
+        mx.eval(la, lb)
+    # decode: the real kernels where MLX runs on a GPU, the twin on the CPU
+    decode_path = "kernel" if backend() else "reference"
+    assert all(c.last_attention == decode_path for c in fused)
+    for i, (a, b) in enumerate(zip(ref, fused, strict=True)):
+        assert a.offset == b.offset and a.key_codes.shape == b.key_codes.shape
+        # layer 0's prompt keys are the model's input projections, so its codes are the same;
+        # deeper layers' keys carry the rounding above, which may flip a near-tie code
+        n = prompt.shape[1] - a.window - a.sinks
+        kb, vb = a.key_bits, a.value_bits
+        ka = np.array(unpack_codes(a.key_codes[:, :, :n], kb, 64 // a.key_sub_dim))
+        kf = np.array(unpack_codes(b.key_codes[:, :, :n], kb, 64 // a.key_sub_dim))
+        va = np.array(unpack_codes(a.value_codes[:, :, :n], vb, 64 // a.value_sub_dim))
+        vf = np.array(unpack_codes(b.value_codes[:, :, :n], vb, 64 // a.value_sub_dim))
+        floor = 1.0 if i == 0 else 0.98
+        assert (ka == kf).mean() >= floor and (va == vf).mean() >= floor, i
+        # the ring, back in order
+        np.testing.assert_allclose(np.array(a.window_keys), np.array(b.window_keys), atol=0.05)
+    # resident bytes: the fused cache's growth buffer holds at most CODE_STEP spare tokens
+    spare = sum(b.nbytes - a.nbytes for a, b in zip(ref, fused, strict=True))
+    per_token = sum(a.key_codes[0, :, :1].nbytes + a.value_codes[0, :, :1].nbytes for a in ref)
+    assert 0 <= spare < VecInferCache.CODE_STEP * per_token
+
+    # one layer in isolation on the same contents (the transient cache's, copied onto the
+    # fused path): both paths against float64 attention over the transient K/V
+    from veloxquant.attention import _original
+
+    rng = np.random.default_rng(0)
+    for a in ref:
+        h, d = a.smooth.shape
+        b = copy.copy(a)
+        b.fused = True
+        k, v = (mx.array(rng.normal(size=(1, h, 1, d)).astype(np.float32)) for _ in range(2))
+        q = mx.array(rng.normal(size=(1, 3 * h, 1, d)).astype(np.float32) * 2)
+        ka, va = a.update_and_fetch(k, v)
+        want = _original(q, ka, va, cache=a, scale=d**-0.5, mask=None)
+        b.update_and_fetch(k, v)
+        got = b.fused_attention(q, scale=d**-0.5)
+        q64 = np.array(q, np.float64).reshape(h, 3, d) * d**-0.5
+        s64 = np.einsum("hgd,htd->hgt", q64, np.array(ka, np.float64)[0])
+        p64 = np.exp(s64 - s64.max(-1, keepdims=True))
+        o64 = np.einsum("hgt,htd->hgd", p64 / p64.sum(-1, keepdims=True), np.array(va)[0])
+        o64 = o64.reshape(1, 3 * h, 1, d)
+        for out in (want, got):
+            np.testing.assert_allclose(np.array(out), o64, atol=1e-5 * np.abs(o64).max())
+
+
+# ------------------------------------------------------ 2. the kernel sources, emulated
+
+
+def _pending_after_one_token(caches: list, layer: int, seed: int):
+    """A fused update of `layer` with one new token; returns (cache, pending, query)."""
+    c = caches[layer]
+    h, d = c.smooth.shape
+    rng = np.random.default_rng(seed)
+    k, v = (mx.array(rng.normal(size=(1, h, 1, d)).astype(np.float32)) for _ in range(2))
+    c.update_and_fetch(k, v)
+    pending, c._pending = c._pending, None
+    q = mx.array(rng.normal(size=(1, 3 * h, 1, d)).astype(np.float32) * 2)
+    return c, pending, q
+
+
+def _emulated_attention(backend: str, cache, q, pending, r: int) -> np.ndarray:
+    a = K.attention_inputs(cache, q, 1 / math.sqrt(q.shape[-1]), pending, r=r)
+    partial, combine = K.attention_kernel_sources(a["layout"], mx.float32, r)
+    n_q, d = q.shape[1], q.shape[3]
+    ns = a["n_splits"] + 1
+    shapes = [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)]
+    parts = emu.run(
+        partial, backend, [np.array(x) for x in a["partial"]], a["groups"], shapes, ["float32"] * 3
+    )
+    extra = [np.array(x) for x in a["combine_extra"]]
+    (out,) = emu.run(combine, backend, parts + extra, (n_q, 1, 1), [(n_q * d,)], ["float32"])
+    return out.reshape(1, n_q, 1, d)
+
+
+@needs_cxx
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_emulated_decode_kernels_match_the_twin(
+    backend, name, smollm2, bundle, prompt, monkeypatch
+):
+    model, _ = smollm2
+    caches = _caches(model, _config(name, bundle), True, monkeypatch)
+    _prefill(model, caches, prompt)
+    monkeypatch.setattr(K, "MIN_SPLIT", 128)  # several splits from a short context
+    for layer, r in ((0, 1), (7, 4)):
+        c, pending, q = _pending_after_one_token(caches, layer, seed=layer)
+        lay = K.layout_of(c, q.shape[1])
+        assert lay.unsupported() is None
+        assert K.attention_inputs(c, q, 1.0, pending, r=r)["n_splits"] >= 2
+        ref = np.array(K.reference_attention(c, q, 1 / math.sqrt(q.shape[-1]), None, pending))
+        out = _emulated_attention(backend, c, q, pending, r)
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
+
+
+@needs_cxx
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_emulated_encode_kernel_matches_the_cache_encoder(
+    backend, smollm2, bundle, prompt, monkeypatch
+):
+    model, _ = smollm2
+    caches = _caches(model, _config("calibrated", bundle), False, monkeypatch)
+    _prefill(model, caches, prompt[:, :300])
+    c = caches[3]
+    src_k = c.window_keys.astype(mx.float32)  # real keys and values of the model
+    src_v = c.window_values.astype(mx.float32)
+    first, n, pos = 2, 30, 5000  # rows 2..31 at a far position: RoPE of the mean matters
+    lay = K.layout_of(c, c.smooth.shape[0])
+    h = lay.n_kv_heads
+    kc, vc = emu.run(
+        K.encode_kernel_source(lay),
+        backend,
+        [np.array(x) for x in K.encode_inputs(c, src_k, src_v, first, n, pos)],
+        (n, h, 1),
+        [(1, h, n, lay.key_bytes), (1, h, n, lay.value_bytes)],
+        ["uint8", "uint8"],
+    )
+    want_k = c.encode_keys(src_k[:, :, first : first + n], pos)
+    want_v = c.encode_values(src_v[:, :, first : first + n])
+    d = lay.head_dim
+    for got, want, bits, sub in (
+        (kc, want_k, lay.key_bits, lay.key_sub_dim),
+        (vc, want_v, lay.value_bits, lay.value_sub_dim),
+    ):
+        got_codes = np.array(unpack_codes(mx.array(got), bits, d // sub))
+        want_codes = np.array(unpack_codes(want, bits, d // sub))
+        # float32 sums in another order may flip an exact near-tie, nothing more
+        assert (got_codes == want_codes).mean() >= 0.998
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_generated_metal_sources_are_well_formed(name, smollm2, bundle, monkeypatch):
+    model, _ = smollm2
+    c = _caches(model, _config(name, bundle), False, monkeypatch)[0]
+    lay = K.layout_of(c, 3 * c.smooth.shape[0])
+    partial, combine = K.attention_kernel_sources(lay, mx.float16)
+    f32, i32, u8, f16 = "float32", "int32", "uint8", "float16"
+    partial_in = [f32, i32, f32, u8, u8, f16, f16, f16, f16, f32, f32] + [f16] * 6
+    assert check_metal_source(partial, partial_in, [f32] * 3) == []
+    assert check_metal_source(combine, [f32, f32, f32, i32, f16, f16], [f16]) == []
+    broken = dataclasses.replace(partial, body=partial.body + "\n{")
+    assert check_metal_source(broken, partial_in, [f32] * 3) != []
+
+
+# ------------------------------------------------------------------- 3. the dispatch
+
+
+def test_path_selection_and_errors(smollm2, bundle, monkeypatch):
+    model, _ = smollm2
+    config = _config("calibrated", bundle)
+    # auto: fused where the kernels run (a GPU); on the CPU the transient path, not the twin
+    monkeypatch.setenv("VELOXQUANT_FUSED", "auto")
+    assert all(c.fused == (backend() is not None) for c in make_cache(model, config))
+    monkeypatch.setenv("VELOXQUANT_FUSED", "yes please")
+    with pytest.raises(ValueError, match="VELOXQUANT_FUSED"):
+        make_cache(model, config)
+
+    caches = _caches(model, config, True, monkeypatch)
+    assert attention.installed() and attention.routes(model)
+    assert all(c.attention_path == ("kernel" if backend() else "reference") for c in caches)
+    # an update whose attention never came (the model's attention was not routed) fails loudly
+    k = mx.zeros((1, 3, 1, 64))
+    caches[0].update_and_fetch(k, k)
+    with pytest.raises(RuntimeError, match="never followed by its attention"):
+        caches[0].update_and_fetch(k, k)
+    with pytest.raises(RuntimeError, match="no update to attend over"):
+        caches[0].fused_attention(mx.zeros((1, 9, 1, 64)), scale=0.125)
+
+    # a batch of fused caches is attended by mlx-lm on the concatenated rows: transient
+    from veloxquant.batch import BatchedCache
+
+    rows = [_caches(model, config, True, monkeypatch)[0] for _ in range(2)]
+    BatchedCache(rows)
+    assert not any(r.fused for r in rows)
+
+
+def test_shallow_copies_do_not_share_writes(smollm2, bundle, prompt, monkeypatch):
+    # mlx-lm's prompt cache and BatchedCache.merge copy caches shallowly, and the fused path
+    # appends codes and writes the window ring in place: two copies decoding on must not
+    # write into each other's buffers
+    model, _ = smollm2
+    caches = _caches(model, _config("calibrated", bundle), True, monkeypatch)
+    _prefill(model, caches, prompt[:, :300])
+    saved = [copy.copy(c) for c in caches]
+    for tok in (5, 6, 7):
+        mx.eval(model(mx.array([[tok]]), cache=caches))
+    after = [(np.array(c.key_codes), np.array(c.window_keys)) for c in caches]
+    for tok in (8, 9):
+        mx.eval(model(mx.array([[tok]]), cache=saved))
+    for c, s, (kc, wk) in zip(caches, saved, after, strict=True):
+        assert c.offset == s.offset + 1
+        np.testing.assert_array_equal(np.array(c.key_codes), kc)
+        np.testing.assert_array_equal(np.array(c.window_keys), wk)
