@@ -42,3 +42,24 @@ def test_every_calibrated_method_has_its_conf_group_and_stage():
         outs = [f"artifacts/${{key}}/methods/{name}", f"artifacts/${{key}}/ablations/{name}"]
         assert stages[name]["do"]["outs"] == outs
         assert outs[1] in stages["evaluate"]["do"]["deps"]
+
+
+def test_default_and_full_experiment_rows_point_at_trained_variants():
+    """Every eval row's ablation bundle is one its composition trains, and the full experiment
+    (every README table) is a superset of the default pipeline on a second model family."""
+    default, full = compose_params(), compose_params(["+experiment=full"])
+    assert list(full["models"]) == ["smollm2-135m", "smollm2-135m-kvbias"]
+    for params in (default, full):
+        names = [r["name"] for r in params["eval"]["rows"]]
+        assert len(set(names)) == len(names)
+        for row in params["eval"]["rows"]:
+            path = row.get("artifact_dir", "")
+            if path.startswith("ablations/"):
+                _, method, variant = path.split("/")
+                assert variant in params["method"][method]["variants"], row
+    assert {r["name"] for r in default["eval"]["rows"]} < {r["name"] for r in full["eval"]["rows"]}
+    # every calibrated method keeps its uncalibrated twin in the default rows
+    default_names = {r["name"] for r in default["eval"]["rows"]}
+    for method in ("qfilters-25%", "vecinfer", "commvq-2bit", "ratequant-3"):
+        twin = "ratequant-3-uniform" if method == "ratequant-3" else f"{method}-uncalibrated"
+        assert {method, twin} <= default_names

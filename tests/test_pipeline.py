@@ -39,7 +39,7 @@ def _shrink_conf(conf: Path) -> None:
         "method/vecinfer/default.yaml",
         iters=2,
         max_vectors=2048,
-        variants={"nosmooth": {"smooth": "none"}},
+        variants={"nocenter": {"center": False}},
     )
     edit(
         "method/commvq/default.yaml",
@@ -65,7 +65,7 @@ def _shrink_conf(conf: Path) -> None:
         "qfilters-25%-uncalibrated",
         "vecinfer",
         "vecinfer-uncalibrated",
-        "vecinfer-nosmooth",
+        "vecinfer-nocenter",
         "commvq-2bit",
         "ratequant-3",
         "ratequant-3-uniform",
@@ -159,7 +159,7 @@ def test_dvc_repro_end_to_end(repo):
     assert 0 < metrics["mlx-q4"]["kl"] < 1.0
     manifest = json.loads((a / "bundle" / "manifest.json").read_text())
     assert set(manifest["methods"]) == set(CALIBRATED)
-    for row in ("qfilters-25%", "vecinfer", "vecinfer-nosmooth"):
+    for row in ("qfilters-25%", "vecinfer", "vecinfer-nocenter"):
         assert metrics[row]["kl"] < 1.0, (row, metrics[row])
     # the tiny calibration still beats the Gaussian codebooks upstream ships
     assert metrics["vecinfer"]["kl"] < metrics["vecinfer-uncalibrated"]["kl"]
