@@ -33,19 +33,16 @@ from veloxquant.data import tokens_sha256
 from veloxquant.io import save_safetensors_atomic, write_json_atomic
 from veloxquant.methods import CALIBRATED
 
+from _common import random_weights_model
+
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
 def build_model_dir(config_json: Path, tokenizer_dir: Path, dtype: mx.Dtype, out: Path):
-    from mlx_lm.utils import _get_classes
-
     config = json.loads(config_json.read_text())
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
+    model = random_weights_model(config_json, dtype)
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -38,29 +38,7 @@ from veloxquant.methods.commvq import METHOD, make_caches
 from veloxquant.methods.commvq import codebook as cb
 from veloxquant.methods.commvq import train as tr
 from veloxquant.model_import import load_model
-
-
-def fmt(xs: list[float], scale: float = 1.0, unit: str = "") -> str:
-    xs = [x * scale for x in xs]
-    return f"{statistics.median(xs):.4g}{unit} [{min(xs):.4g}, {max(xs):.4g}]"
-
-
-def random_weights_model(config_json: str, dtype: mx.Dtype):
-    """The architecture of `config_json` with mlx's default random init, cast to `dtype`."""
-    import json
-
-    from mlx_lm.utils import _get_classes
-
-    config = json.loads(Path(config_json).read_text())
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
-
-def model_dtype(model) -> mx.Dtype:
-    return model.model.embed_tokens.weight.dtype
+from _common import fmt, model_dtype, random_weights_model
 
 
 def bench_em(args, model) -> None:

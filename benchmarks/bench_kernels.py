@@ -34,11 +34,7 @@ from veloxquant.kernels import backend
 from veloxquant.methods.vecinfer import VecInferCache
 from veloxquant.methods.vecinfer import kernels as K
 from veloxquant.rope import RopeSpec
-
-
-def fmt(xs: list[float], scale: float = 1.0, unit: str = "") -> str:
-    xs = [x * scale for x in xs]
-    return f"{statistics.median(xs):.4g}{unit} [{min(xs):.4g}, {max(xs):.4g}]"
+from _common import fmt
 
 
 def synthetic_cache(
@@ -172,34 +168,24 @@ def check_twin_vs_transient(args, log: list) -> bool:
     ok = True
     mx.random.seed(3)
     base = synthetic_cache(h, d, 0, rope=rope)
-    a = VecInferCache(
-        base.smooth,
-        base.key_codebook,
-        base.value_codebook,
-        key_bits=6,
-        key_sub_dim=2,
-        value_bits=6,
-        value_sub_dim=4,
-        hadamard=True,
-        key_mean=base.key_mean,
-        value_mean=base.value_mean,
-        rope=rope,
-        value_smooth=base.value_smooth,
-    )
-    b = VecInferCache(
-        base.smooth,
-        base.key_codebook,
-        base.value_codebook,
-        key_bits=6,
-        key_sub_dim=2,
-        value_bits=6,
-        value_sub_dim=4,
-        hadamard=True,
-        key_mean=base.key_mean,
-        value_mean=base.value_mean,
-        rope=rope,
-        value_smooth=base.value_smooth,
-    )
+
+    def empty_like_base() -> VecInferCache:
+        return VecInferCache(
+            base.smooth,
+            base.key_codebook,
+            base.value_codebook,
+            key_bits=6,
+            key_sub_dim=2,
+            value_bits=6,
+            value_sub_dim=4,
+            hadamard=True,
+            key_mean=base.key_mean,
+            value_mean=base.value_mean,
+            rope=rope,
+            value_smooth=base.value_smooth,
+        )
+
+    a, b = empty_like_base(), empty_like_base()
     b.fused = True
     from veloxquant.attention import _original
 

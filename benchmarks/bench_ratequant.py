@@ -46,6 +46,7 @@ import numpy as np
 
 from veloxquant.methods import kivi, ratequant
 from veloxquant.methods.base import Artifact, CalibrationInputs, ModelDims
+from _common import random_weights_model
 
 
 def config(**kw):
@@ -74,19 +75,6 @@ def fmt(xs: list[float], scale: float = 1e3, unit: str = "ms") -> str:
     return (
         f"{statistics.median(xs) * scale:.2f} [{min(xs) * scale:.2f}, {max(xs) * scale:.2f}] {unit}"
     )
-
-
-def random_weights_model(config_json: str, dtype: mx.Dtype):
-    """The architecture of `config_json` with mlx's default random init, cast to `dtype`
-    (decode timings do not depend on the weight values)."""
-    from mlx_lm.utils import _get_classes
-
-    cfg = json.loads(Path(config_json).read_text())
-    model_class, args_class = _get_classes(cfg)
-    model = model_class(args_class.from_dict(cfg))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
 
 
 def get_model(args):

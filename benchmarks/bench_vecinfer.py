@@ -36,11 +36,7 @@ from veloxquant import KVCacheConfig, attention, make_cache
 from veloxquant.kernels import backend as kernel_backend
 from veloxquant.methods.vecinfer import DEFAULTS, METHOD
 from veloxquant.model_import import load_model
-
-
-def fmt(xs: list[float], scale: float = 1.0, unit: str = "") -> str:
-    xs = [x * scale for x in xs]
-    return f"{statistics.median(xs):.4g}{unit} [{min(xs):.4g}, {max(xs):.4g}]"
+from _common import fmt, model_dtype, random_weights_model
 
 
 def gemm_gflops(repeats: int, n: int = 2048) -> list[float]:
@@ -110,24 +106,6 @@ def bench_kmeans(args, model) -> None:
         f"  k-means runs at {eff / peak:.3f} of the measured GEMM rate "
         f"(at the GEMM rate it would take {flops / peak / 1e9:.1f} s)"
     )
-
-
-def random_weights_model(config_json: str, dtype: mx.Dtype):
-    """The architecture of `config_json` with mlx's default random init, cast to `dtype`."""
-    import json
-
-    from mlx_lm.utils import _get_classes
-
-    config = json.loads(open(config_json).read())
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
-
-def model_dtype(model) -> mx.Dtype:
-    return model.model.embed_tokens.weight.dtype
 
 
 def filled_caches(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 512) -> list:

@@ -49,6 +49,14 @@ def test_default_and_full_experiment_rows_point_at_trained_variants():
     (every README table) is a superset of the default pipeline on a second model family."""
     default, full = compose_params(), compose_params(["+experiment=full"])
     assert list(full["models"]) == ["smollm2-135m", "smollm2-135m-kvbias"]
+    # the stress model's knobs are write_kv_bias_model's, as the import stage passes them
+    import inspect
+
+    from pipeline.import_model import STRESS_KEYS
+    from veloxquant.stress import write_kv_bias_model
+
+    stress = full["models"]["smollm2-135m-kvbias"]["stress"]
+    assert set(stress) <= set(STRESS_KEYS) <= set(inspect.signature(write_kv_bias_model).parameters)
     for params in (default, full):
         names = [r["name"] for r in params["eval"]["rows"]]
         assert len(set(names)) == len(names)
