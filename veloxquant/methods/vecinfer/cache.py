@@ -312,11 +312,9 @@ class VecInferCache(CompressedCache):
         what the latest call used (prefill chunks always take "reference" when fused)."""
         if not self.fused:
             return "transient"
-        from veloxquant.kernels import backend
         from veloxquant.methods.vecinfer import kernels
 
-        lay = kernels.layout_of(self, self.smooth.shape[0])
-        return "kernel" if backend() and lay.unsupported() is None else "reference"
+        return "kernel" if kernels.kernels_take(self, self.smooth.shape[0]) else "reference"
 
     def _check_no_pending(self) -> None:
         if self._pending is not None:
@@ -328,19 +326,12 @@ class VecInferCache(CompressedCache):
                 "cache.fused = False on every layer to use the transient path."
             )
 
-    def _kernel_encode(self) -> bool:
-        from veloxquant.kernels import backend
-        from veloxquant.methods.vecinfer import kernels
-
-        lay = kernels.layout_of(self, self.smooth.shape[0])
-        return backend() is not None and lay.unsupported() is None
-
     def _encode_rows(self, k_src: mx.array, v_src: mx.array, first: int, n: int, pos: int):
         """Codes of rows first .. first+n-1 of k_src / v_src [B, H, R, D] at positions pos..:
         the encode kernel on a GPU, the oracle's encode_keys / encode_values elsewhere."""
-        if k_src.shape[0] == 1 and self._kernel_encode():
-            from veloxquant.methods.vecinfer import kernels
+        from veloxquant.methods.vecinfer import kernels
 
+        if k_src.shape[0] == 1 and kernels.kernels_take(self, self.smooth.shape[0]):
             return kernels.encode(self, k_src, v_src, first, n, pos)
         k = k_src[:, :, first : first + n].astype(mx.float32)
         v = v_src[:, :, first : first + n].astype(mx.float32)
@@ -412,17 +403,15 @@ class VecInferCache(CompressedCache):
         """Attention of `queries` over everything the cache holds after the latest update, in
         the model's dtype, without dequantizing the coded past: the GPU kernels for a single
         decode query, the pure-MLX twin (same algebra, in pieces) otherwise."""
-        from veloxquant.kernels import backend
         from veloxquant.methods.vecinfer import kernels
 
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("VecInferCache.fused_attention: no update to attend over")
         b, n_q, n, _ = queries.shape
-        if b == 1 and n == 1 and mask is None and backend() is not None:
-            if kernels.layout_of(self, n_q).unsupported() is None:
-                self.last_attention = "kernel"
-                return kernels.decode_attention(self, queries, scale, pending)
+        if b == 1 and n == 1 and mask is None and kernels.kernels_take(self, n_q):
+            self.last_attention = "kernel"
+            return kernels.decode_attention(self, queries, scale, pending)
         self.last_attention = "reference"
         return kernels.reference_attention(self, queries, scale, mask, pending)
 
@@ -471,7 +460,7 @@ class VecInferCache(CompressedCache):
         self.fused = attention.wanted()
         if self.fused:
             attention.install()
-        self._pending, self.last_attention = None, None
+        self._pending, self.last_attention, self._layouts = None, None, {}
         self.offset, self.window, self.sinks = (int(meta[k]) for k in ("offset", "window", "sinks"))
         self.key_bits, self.key_sub_dim = int(meta["key_bits"]), int(meta["key_sub_dim"])
         self.value_bits, self.value_sub_dim = int(meta["value_bits"]), int(meta["value_sub_dim"])

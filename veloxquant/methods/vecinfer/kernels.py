@@ -814,6 +814,22 @@ PARAMS = 16  # int32 slots of iparams (>= 8 elements, see veloxquant.kernels.lau
 
 
 def layout_of(cache: Any, n_q_heads: int) -> Layout:
+    """The cache's Layout for `n_q_heads` query heads, memoised on the cache (a cache's shape
+    and transforms are fixed once built; `VecInferCache.state` clears the memo on load)."""
+    memo = cache.__dict__.setdefault("_layouts", {})
+    if n_q_heads not in memo:
+        memo[n_q_heads] = _layout(cache, n_q_heads)
+    return memo[n_q_heads]
+
+
+def kernels_take(cache: Any, n_q_heads: int) -> bool:
+    """Whether the GPU kernels run for this cache here: a GPU backend and a supported layout."""
+    from veloxquant.kernels import backend
+
+    return backend() is not None and layout_of(cache, n_q_heads).unsupported() is None
+
+
+def _layout(cache: Any, n_q_heads: int) -> Layout:
     h, d = cache.smooth.shape
     return Layout(
         head_dim=int(d),
