@@ -35,6 +35,7 @@ from mlx_lm.models.cache import KVCache
 from veloxquant import KVCacheConfig, attention, make_cache
 from veloxquant.kernels import backend as kernel_backend
 from veloxquant.methods.vecinfer import DEFAULTS, METHOD
+from veloxquant.methods.vecinfer.calibrate import n_books
 from veloxquant.model_import import load_model
 from _common import fmt, model_dtype, random_weights_model
 
@@ -56,14 +57,15 @@ def kmeans_flops(
 ) -> float:
     """Distance-GEMM FLOPs of one calibrate_vecinfer run (assignment passes only)."""
     total = 0.0
-    groups = n_layers * (n_heads if hp["share"] == "head" else 1)
-    per_group_tokens = n_train * (1 if hp["share"] == "head" else n_heads)
     for side in ("key", "value"):
+        books = n_books(hp, side, n_heads)
+        groups = n_layers * books
+        per_group_tokens = n_train * (n_heads // books)
         d, k = hp[f"{side}_sub_dim"], 2 ** hp[f"{side}_bits"]
         vectors = per_group_tokens * head_dim // d
         if hp["max_vectors"] is not None:
             vectors = min(vectors, hp["max_vectors"])
-        held = n_held * (1 if hp["share"] == "head" else n_heads) * head_dim // d
+        held = n_held * (n_heads // books) * head_dim // d
         passes = hp["iters"] + 1  # Lloyd iterations + final assignment
         total += groups * (passes * vectors + held) * k * 2 * (d + 1)
     return total
@@ -93,7 +95,8 @@ def bench_kmeans(args, model) -> None:
     print(
         f"k-means (calibrate_vecinfer) on {args.capture}: "
         f"d{hp['key_sub_dim']}b{hp['key_bits']} keys, "
-        f"d{hp['value_sub_dim']}b{hp['value_bits']} values, share={hp['share']}, "
+        f"d{hp['value_sub_dim']}b{hp['value_bits']} values, "
+        f"share={hp['share']}/{hp['value_share'] or hp['share']}, "
         f"iters={hp['iters']}, "
         f"max_vectors={hp['max_vectors']}, {n} captured tokens"
     )

@@ -79,7 +79,7 @@ def calib_dir(smollm2, tmp_path_factory) -> Path:
 # The methods the README examples, the serving tests and test_qfilters use, calibrated for real
 # on the real capture; Q-Filters with its defaults (as its stage does), VecInfer's k-means on a
 # tiny budget.
-SMALL_CALIBRATION = {"qfilters": {}, "vecinfer": {"iters": 1, "max_vectors": 1024}}
+SMALL_CALIBRATION = {"qfilters": {}, "vecinfer": {"iters": 1, "max_vectors": 4096}}
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 contract, and calibrated-vs-uncalibrated quality on the real model with real captured activations.
 
 The module fixture captures 4 x 256 tokens of calibration prose (pydoc topics other than the
-ones `eval_text` uses) and calibrates d4b8 codebooks at a tiny k-means budget.
+ones `eval_text` uses) and calibrates the default codebooks (d2b6 keys per KV head, d4b8 values
+per layer) at a tiny k-means budget.
 """
 
 from __future__ import annotations
@@ -342,11 +343,12 @@ def test_calibration_artifact_and_determinism(tiny, smollm2_dir):
     info = bundle.method_info("vecinfer")
     hp, diag = info["hyperparameters"], info["diagnostics"]
     assert hp["key_bits"] == 6 and hp["key_sub_dim"] == 2 and hp["share"] == "head"
+    assert hp["value_bits"] == 8 and hp["value_share"] == "layer"
     assert hp["center"] is True and hp["value_smooth"] == "balanced"
     assert info["capture_point"] == "k_post,v"
     stored = bundle.tensors("vecinfer")
     assert stored["key_codebook"].shape == (30, 3, 64, 2)
-    assert stored["value_codebook"].shape == (30, 3, 64, 4)
+    assert stored["value_codebook"].shape == (30, 1, 256, 4)
     # the stored means are the exact capture means, rounded to the fp16 the cache keeps
     from veloxquant.capture import load_stats
 
@@ -364,6 +366,38 @@ def test_calibration_artifact_and_determinism(tiny, smollm2_dir):
     tensors, _ = calibrate_vecinfer(tiny["capture"], smollm2_dir, progress=False, **TINY)
     for name in stored:
         assert mx.array_equal(tensors[name], stored[name]).item(), name
+
+
+def test_value_share_sets_the_value_codebooks_apart(calib_dir, smollm2_dir):
+    from veloxquant.methods.base import Artifact, ModelDims
+    from veloxquant.methods.vecinfer import DEFAULTS, check_artifact, tensor_specs
+    from veloxquant.model_import import load_model
+
+    acts = calib_dir / "activations"
+    small = {**TINY, "value_bits": 6}
+    runs = {
+        (share, value_share): calibrate_vecinfer(
+            acts, smollm2_dir, share=share, value_share=value_share, progress=False, **small
+        )[0]
+        for share, value_share in (("head", "head"), ("head", "layer"), ("layer", "head"))
+    }
+    books = {k: (t["key_codebook"].shape[1], t["value_codebook"].shape[1]) for k, t in runs.items()}
+    assert books == {("head", "head"): (3, 3), ("head", "layer"): (3, 1), ("layer", "head"): (1, 3)}
+    # the values' sharing leaves the keys alone, and pools the heads' values into one codebook
+    hh, hl, lh = runs[("head", "head")], runs[("head", "layer")], runs[("layer", "head")]
+    assert mx.array_equal(hh["key_codebook"], hl["key_codebook"]).item()
+    assert mx.array_equal(hh["value_codebook"], lh["value_codebook"]).item()
+    assert not mx.allclose(hl["value_codebook"], hh["value_codebook"][:, :1]).item()
+    # an artifact from before value_share (no such hyperparameter) still loads: its values
+    # were shared as `share`
+    model, _ = load_model(smollm2_dir)
+    dims = ModelDims.of(model)
+    old_hp = {k: v for k, v in {**DEFAULTS, "value_bits": 6}.items() if k != "value_share"}
+    specs = tensor_specs(dims, old_hp)
+    assert {k: tuple(s.shape) for k, s in specs.items()} == {k: v.shape for k, v in hh.items()}
+    check_artifact(Artifact("vecinfer", dict(hh), old_hp, {}), dims)
+    with pytest.raises(ValueError, match="value_share must be"):
+        calibrate_vecinfer(acts, smollm2_dir, value_share="token", progress=False, **small)
 
 
 def test_calibrated_beats_uncalibrated_and_stays_close_to_fp16(tiny, smollm2, eval_text):

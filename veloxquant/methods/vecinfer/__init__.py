@@ -9,11 +9,13 @@ Quantization", arXiv 2510.06175 (no public code). DESIGN.md section 8.
                 uncalibrated variant
 - cache.py      `VecInferCache`: packed codes + fp16 window and sinks; transient dequantisation
 
-Configs are named d{sub_dim}b{bits}: d4b8 = 2 bits/element (default, K and V), d8b12 = 1.5.
+Configs are named d{sub_dim}b{bits}: d2b6 = 3 bits/element, d4b8 = 2, d8b12 = 1.5. The default
+codes keys d2b6 (codebooks per KV head) and values d4b8 (one codebook per layer).
 
-Knobs: KVCacheConfig.window (fp16 recent tokens, default 48), KVCacheConfig.sinks (default 4);
-options (the shape hyperparameters: key_sub_dim, key_bits, value_sub_dim, value_bits, share,
-hadamard) choose the uncalibrated variant's shape, or are checked against the artifact.
+Knobs: KVCacheConfig.window (fp16 recent tokens, default DEFAULT_WINDOW), KVCacheConfig.sinks
+(default 4); options (the shape hyperparameters: key_sub_dim, key_bits, value_sub_dim,
+value_bits, share, value_share, hadamard) choose the uncalibrated variant's shape, or are
+checked against the artifact.
 Ablations (no smoothing, no Hadamard, per-layer codebooks, d8b12) are separate bundles of the
 same method whose recorded hyperparameters say what they are: point artifact_dir at them.
 
@@ -50,8 +52,9 @@ from veloxquant.methods.vecinfer.transform import (
 
 METHOD = Method(
     name="vecinfer",
-    summary="VecInfer product VQ (2-bit d4b8 by default): smoothed + Hadamard-rotated keys, "
-    "codebooks k-means-trained on captured keys/values, fp16 window and sinks",
+    summary="VecInfer product VQ (3-bit d2b6 keys, 2-bit d4b8 values by default): smoothed + "
+    "Hadamard-rotated, mean-removed keys, codebooks k-means-trained on captured keys/values, "
+    "fp16 window and sinks",
     make_caches=make_caches,
     fields=("sinks", "window"),
     options={k: DEFAULTS[k] for k in SHAPE_KEYS},

@@ -8,8 +8,11 @@ capture dir (`k_post`, `v`, and the exact `k_post.absmax` over every captured to
 - keys are coded in the transformed space k̃ = H·(k ⊘ λ) (veloxquant/methods/vecinfer/
   transform.py), values raw.
 - product VQ: each D-vector is cut into D/d sub-vectors that share one codebook of 2^b centroids
-  per (layer, KV head) (share="head", default) or per layer (share="layer"); batched GEMM
-  k-means (`veloxquant.kmeans`), k-means++ init, dead centroids reseeded, fixed seed.
+  per (layer, KV head) (share="head") or per layer (share="layer"); `value_share` sets the
+  values' sharing apart from the keys' (None: as `share`). A d4b8 value codebook (256 x 4 fp16,
+  2 KB) weighs as much as 128 tokens' value codes of its head, so the default shares it per
+  layer and keeps the small d2b6 key codebooks per head. Batched GEMM k-means
+  (`veloxquant.kmeans`), k-means++ init, dead centroids reseeded, fixed seed.
 - diagnostics on held-out captured tokens the k-means never saw: reconstruction MSE (also
   relative to E[x²]) and mean cosine of keys in the original space (after the inverse transform)
   and of values; dead centroids and code-usage entropy of the training assignment; per layer.
@@ -44,8 +47,10 @@ DEFAULTS: dict[str, Any] = {
     "key_sub_dim": 2,
     "key_bits": 6,
     "value_sub_dim": 4,
-    "value_bits": 6,
+    "value_bits": 8,
     "share": "head",
+    # the values' codebook sharing, "head" or "layer" (None: as `share`)
+    "value_share": "layer",
     # code keys relative to RoPE_m(pre-RoPE key mean) and values relative to their mean
     "center": True,
     # key scales before the rotation: "max" (VecInfer's sqrt max|k|), "balanced" (against the
@@ -65,7 +70,29 @@ DEFAULTS: dict[str, Any] = {
 }
 # The hyperparameters that define the codebooks' shapes and the runtime transform; the
 # uncalibrated variant takes them as KVCacheConfig.options.
-SHAPE_KEYS = ("key_sub_dim", "key_bits", "value_sub_dim", "value_bits", "share", "hadamard")
+SHAPE_KEYS = (
+    "key_sub_dim",
+    "key_bits",
+    "value_sub_dim",
+    "value_bits",
+    "share",
+    "value_share",
+    "hadamard",
+)
+# Shape keys an artifact may lack: it predates them, and their default is what it was made with.
+OPTIONAL_SHAPE_KEYS = ("value_share",)
+
+
+def sharing(hp: dict[str, Any], side: str) -> str:
+    """How `side`'s ("key" / "value") codebooks are shared: "head" or "layer"."""
+    if side == "value" and hp.get("value_share") is not None:
+        return hp["value_share"]
+    return hp["share"]
+
+
+def n_books(hp: dict[str, Any], side: str, n_kv_heads: int) -> int:
+    """Codebooks per layer of `side`: one per KV head, or one for the layer."""
+    return n_kv_heads if sharing(hp, side) == "head" else 1
 
 
 def check_hyperparameters(hp: dict[str, Any]) -> None:
@@ -85,6 +112,11 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
         )
     if hp["share"] not in ("head", "layer"):
         raise ValueError(f"vecinfer: share must be 'head' or 'layer', got {hp['share']!r}")
+    if hp.get("value_share") not in (None, "head", "layer"):
+        raise ValueError(
+            f"vecinfer: value_share must be 'head', 'layer' or null (as share), got "
+            f"{hp['value_share']!r}"
+        )
     if not 0 < hp["clip_percentile"] <= 100:
         raise ValueError(
             f"vecinfer: clip_percentile must be in (0, 100], got {hp['clip_percentile']}"
@@ -98,7 +130,6 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
 
 
 def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
-    books = dims.H_kv if hp["share"] == "head" else 1
     return {
         # pre-RoPE key mean and value mean (zeros when center=False), fp16-representable
         "key_mean": TensorSpec((dims.L, dims.H_kv, dims.D), "float32"),
@@ -106,16 +137,30 @@ def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
         "smooth": TensorSpec((dims.L, dims.H_kv, dims.D), "float32"),
         "value_smooth": TensorSpec((dims.L, dims.H_kv, dims.D), "float32"),
         "key_codebook": TensorSpec(
-            (dims.L, books, 2 ** int(hp["key_bits"]), int(hp["key_sub_dim"])), "float32"
+            (
+                dims.L,
+                n_books(hp, "key", dims.H_kv),
+                2 ** int(hp["key_bits"]),
+                int(hp["key_sub_dim"]),
+            ),
+            "float32",
         ),
         "value_codebook": TensorSpec(
-            (dims.L, books, 2 ** int(hp["value_bits"]), int(hp["value_sub_dim"])), "float32"
+            (
+                dims.L,
+                n_books(hp, "value", dims.H_kv),
+                2 ** int(hp["value_bits"]),
+                int(hp["value_sub_dim"]),
+            ),
+            "float32",
         ),
     }
 
 
 def check_artifact(artifact: Artifact, dims: ModelDims) -> None:
-    missing = [k for k in SHAPE_KEYS if k not in artifact.hyperparameters]
+    missing = [
+        k for k in SHAPE_KEYS if k not in artifact.hyperparameters and k not in OPTIONAL_SHAPE_KEYS
+    ]
     if missing:
         raise ValueError(f"vecinfer artifact lacks hyperparameters {missing}; recalibrate it")
     check_hyperparameters({**DEFAULTS, **artifact.hyperparameters})
@@ -133,9 +178,9 @@ def min_tokens(dims: ModelDims, hp: dict[str, Any]) -> int:
     """The fewest captured tokens whose training part gives every codebook at least as many
     sub-vectors as it has centroids, with at least MIN_HELDOUT_TOKENS held out
     (`heldout_fraction`) for the diagnostics."""
-    per_group = 1 if hp["share"] == "head" else dims.H_kv
     need = 0
     for side in ("key", "value"):
+        per_group = dims.H_kv // n_books(hp, side, dims.H_kv)
         n_sub = dims.D // int(hp[f"{side}_sub_dim"])
         need = max(need, math.ceil(2 ** int(hp[f"{side}_bits"]) / (n_sub * per_group)))
     n = need + 1
@@ -175,6 +220,7 @@ def calibrate_vecinfer(
     value_sub_dim: int = DEFAULTS["value_sub_dim"],
     value_bits: int = DEFAULTS["value_bits"],
     share: str = DEFAULTS["share"],
+    value_share: str | None = DEFAULTS["value_share"],
     center: bool = DEFAULTS["center"],
     smooth: str = DEFAULTS["smooth"],
     value_smooth: str = DEFAULTS["value_smooth"],
@@ -205,6 +251,7 @@ def calibrate_vecinfer(
         value_sub_dim=value_sub_dim,
         value_bits=value_bits,
         share=share,
+        value_share=value_share,
         center=center,
         smooth=smooth,
         value_smooth=value_smooth,
@@ -251,8 +298,8 @@ def calibrate_vecinfer(
     perm = np.random.default_rng(seed).permutation(n_tokens)
     n_held = _n_heldout(n_tokens, heldout_fraction)
     held_idx, train_idx = mx.array(np.sort(perm[:n_held])), mx.array(np.sort(perm[n_held:]))
-    per_group = 1 if share == "head" else n_heads
     for side in ("key", "value"):
+        per_group = n_heads // n_books(hp, side, n_heads)
         k_cent, n_sub = 2 ** hp[f"{side}_bits"], head_dim // hp[f"{side}_sub_dim"]
         have = len(train_idx) * n_sub * per_group
         if have < k_cent:
@@ -309,14 +356,14 @@ def calibrate_vecinfer(
         "value": smooth_transform(value_res, lam_vb, value_hadamard),
     }
 
-    def groups(x: mx.array) -> mx.array:  # [L, n, H, D] -> [L·H_share, n·(H/H_share), D]
+    def groups(x: mx.array, side: str) -> mx.array:  # [L, n, H, D] -> [L·H_share, n·H/H_share, D]
         n_l, n, h, d = x.shape
-        if share == "head":
+        if sharing(hp, side) == "head":
             return x.transpose(0, 2, 1, 3).reshape(n_l * h, n, d)
         return x.reshape(n_l, n * h, d)
 
-    def ungroup(x: mx.array) -> mx.array:  # inverse of groups
-        if share == "head":
+    def ungroup(x: mx.array, side: str) -> mx.array:  # inverse of groups
+        if sharing(hp, side) == "head":
             return x.reshape(n_layers, n_heads, -1, head_dim).transpose(0, 2, 1, 3)
         return x.reshape(n_layers, -1, n_heads, head_dim)
 
@@ -327,7 +374,7 @@ def calibrate_vecinfer(
         sub_dim, bits = hp[f"{side}_sub_dim"], hp[f"{side}_bits"]
         x = spaces[side]
         res = product_kmeans(
-            groups(x[:, train_idx]),
+            groups(x[:, train_idx], side),
             sub_dim,
             2**bits,
             max_vectors=max_vectors,
@@ -342,8 +389,8 @@ def calibrate_vecinfer(
             res.usage_entropy_bits().reshape(n_layers, -1).mean(axis=1).tolist()
         )
         # Held-out reconstruction (tokens k-means never saw), in the original space.
-        rec, _ = _encode_decode(groups(x[:, held_idx]), res.centroids, sub_dim)
-        rec = ungroup(rec)
+        rec, _ = _encode_decode(groups(x[:, held_idx], side), res.centroids, sub_dim)
+        rec = ungroup(rec, side)
         if side == "key":
             rec = inverse_smooth_transform(rec, lam_b, hadamard) + key_shift[:, held_idx]
             orig = keys[:, held_idx]
