@@ -333,6 +333,28 @@ def test_nbytes_counts_exactly_codes_window_codebooks():
     assert held == cache.nbytes
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_window_keeps_a_16bit_model_dtype_and_halves_float32(fused):
+    rng = np.random.default_rng(1)
+    x = mx.array(rng.normal(size=(1, 3, 40, 64)).astype(np.float32))
+    for dtype, kept in (
+        (mx.bfloat16, mx.bfloat16),
+        (mx.float16, mx.float16),
+        (mx.float32, mx.float16),
+    ):
+        cache = random_cache()
+        cache.fused = fused
+        y = x.astype(dtype)
+        cache.update_and_fetch(y[:, :, :39], y[:, :, :39])
+        cache._pending = None  # no attention call in between (the fused path asks for one)
+        cache.update_and_fetch(y[:, :, 39:], y[:, :, 39:])  # a decode step: the ring turns
+        cache._pending = None
+        assert cache.window_keys.dtype == kept and cache.window_values.dtype == kept
+        # the newest tokens, exactly as the model produced them (rounded once when float32)
+        want = y[:, :, -cache.window :].astype(kept)
+        assert mx.array_equal(cache.window_keys, want).item()
+
+
 # ------------------------------------------------------------------------------- real model
 
 

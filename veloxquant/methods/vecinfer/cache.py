@@ -1,7 +1,8 @@
 """VecInfer's runtime cache: packed product-VQ codes plus an fp16 recent window and sinks.
 
 - resident: packed codes (d4b8: one uint8 per 4 elements; 12-bit codes two per 3 bytes; see
-  `veloxquant.codes.code_bytes`), an fp16 window of the most recent `window` tokens, the first
+  `veloxquant.codes.code_bytes`), an fp16 window of the most recent `window` tokens (bfloat16
+  for a bfloat16 model: `window_dtype`), the first
   `sinks` tokens in fp16 (the attention-sink token's key is small and atypical, and coding it
   costs far more KL than its bytes), the layer's codebooks in fp16 and λ in f32. `nbytes`
   counts exactly these.
@@ -45,6 +46,13 @@ from veloxquant.methods.vecinfer.transform import (
     inverse_smooth_transform,
     smooth_transform,
 )
+
+
+def window_dtype(model_dtype: mx.Dtype) -> mx.Dtype:
+    """The 16-bit float the fp16 window is kept in: the model's own when it is one (bfloat16
+    keys stay exact, and the decode step casts nothing), else float16."""
+    return model_dtype if model_dtype in (mx.float16, mx.bfloat16) else mx.float16
+
 
 # 26 fp16 recent tokens (with the 4 sinks) fill the 3-bit budget at 1024 tokens beside the
 # default codes (2.5 bits) and codebooks; measured, a wider window buys less than value bits.
@@ -264,8 +272,8 @@ class VecInferCache(CompressedCache):
                 self.key_codes = mx.concatenate([self.key_codes, new_kc], axis=2)
                 self.value_codes = mx.concatenate([self.value_codes, new_vc], axis=2)
             recent_k, recent_v = recent_k[:, :, n_old:], recent_v[:, :, n_old:]
-        self.window_keys = recent_k.astype(mx.float16)
-        self.window_values = recent_v.astype(mx.float16)
+        self.window_keys = recent_k.astype(window_dtype(dtype))
+        self.window_values = recent_v.astype(window_dtype(dtype))
         self.offset += keys.shape[2]
         return out_k.astype(dtype), out_v.astype(dtype)
 
@@ -357,7 +365,7 @@ class VecInferCache(CompressedCache):
 
     def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._check_no_pending()
-        f16 = mx.float16
+        wdt = window_dtype(keys.dtype)
         # a call's own sink tokens are attended exactly, as on the transient path
         own_sinks = self.offset < self.sinks
         new_k, new_v, out_sk, out_sv = take_sinks(self, keys, values)
@@ -373,8 +381,8 @@ class VecInferCache(CompressedCache):
             # copies of the array objects: setitem rebinds the object, and the pending
             # attention must read the window as it was
             ring_k, ring_v = copy.copy(self._wk), copy.copy(self._wv)
-            ring_k[:, :, slot : slot + 1] = new_k.astype(f16)
-            ring_v[:, :, slot : slot + 1] = new_v.astype(f16)
+            ring_k[:, :, slot : slot + 1] = new_k.astype(wdt)
+            ring_v[:, :, slot : slot + 1] = new_v.astype(wdt)
             self._wk, self._wv = ring_k, ring_v
             self._ring = (slot + 1) % w
         elif n_new:
@@ -392,8 +400,8 @@ class VecInferCache(CompressedCache):
             self._pending = {"n_coded": n_before, "win": None}
             new_k, new_v = recent_k, recent_v
             keep = max(n_old, 0)
-            self._wk = recent_k[:, :, keep:].astype(f16)
-            self._wv = recent_v[:, :, keep:].astype(f16)
+            self._wk = recent_k[:, :, keep:].astype(wdt)
+            self._wv = recent_v[:, :, keep:].astype(wdt)
         else:
             self._pending = {"n_coded": n_before, "win": None}
             new_k, new_v = keys[:, :, :0], values[:, :, :0]

@@ -881,6 +881,15 @@ def _rope_arrays(
     return inv, table, scale
 
 
+def _float_params(*values: float) -> mx.array:
+    """The float parameters of a launch, [8] f32, one array per distinct value set: they are
+    constant per model, and every fresh array costs each decode step a host-to-device copy."""
+    key = ("fparams", values)
+    if key not in _CONSTS:
+        _CONSTS[key] = mx.array(list(values) + [0.0] * (8 - len(values)), mx.float32)
+    return _CONSTS[key]
+
+
 def _dummy(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     key = ("dummy", shape, str(dtype))
     if key not in _CONSTS:
@@ -935,7 +944,7 @@ def attention_inputs(
     iparams = [n_coded, cache.sinks, tps, n_sink, n_win, int(nk.shape[2])]
     iparams += [int(kbuf.shape[2]), int(wk.shape[2])]
     iparams = mx.array(iparams + [0] * (PARAMS - len(iparams)), mx.int32)
-    fparams = mx.array([scale * LOG2E, rscale] + [0.0] * 6, mx.float32)
+    fparams = _float_params(scale * LOG2E, rscale)
     key_mean = cache.key_mean if cache.key_mean is not None else cache.smooth
     partial = [
         queries.reshape(n_q, d),
@@ -1003,7 +1012,7 @@ def encode_inputs(cache: Any, k_src: mx.array, v_src: mx.array, first: int, n: i
     h, d = cache.smooth.shape
     inv_freq, _, rscale = _rope_arrays(cache.rope, int(d))
     iparams = mx.array([n, first, int(k_src.shape[2]), pos] + [0] * (PARAMS - 4), mx.int32)
-    fparams = mx.array([0.0, rscale] + [0.0] * 6, mx.float32)
+    fparams = _float_params(0.0, rscale)
     fill = cache.smooth
     return [
         k_src,
