@@ -1,0 +1,115 @@
+"""Decode throughput as mlx-lm's generator sees it: tokens/s of `generate_step` (which overlaps
+building step n+1's graph with the GPU running step n) on a pre-filled cache, fp16 `KVCache`
+against our caches, plus where a step's time goes.
+
+For each context and arm:
+- tok/s over `--tokens` generated tokens after the first, interleaved over `--repeats` (median
+  [min, max]), and the ratio to fp16 per repeat;
+- host graph-build time of one step (`model(token, cache)` without evaluation) against the whole
+  synchronous step: when the build time approaches the step time, decode is bound by Python and
+  op dispatch, not by the GPU;
+- peak memory of the filled cache and the step.
+
+With `--profile`, cProfile of the host graph build of a few fused steps (top functions by own
+time).
+
+    python benchmarks/bench_generate.py --random-weights benchmarks/configs/llama3-8b.json \
+        --dtype bfloat16 --contexts 4096 16384 65536 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from veloxquant import KVCacheConfig
+from _common import fmt, random_weights_model
+from bench_vecinfer import filled_caches
+
+ARMS = {
+    "fp16": None,
+    "vecinfer": KVCacheConfig(method="vecinfer", uncalibrated=True),
+}
+
+
+def tokens_per_second(model, caches, n_tokens: int) -> float:
+    gen = generate_step(mx.array([42]), model, prompt_cache=caches, max_tokens=n_tokens + 1)
+    next(gen)  # the prompt token's step: prefill path, not decode
+    t0 = time.perf_counter()
+    n = sum(1 for _ in gen)
+    return n / (time.perf_counter() - t0)
+
+
+def build_and_step(model, caches, token) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    out = model(token, cache=caches)
+    t1 = time.perf_counter()
+    mx.eval(out)
+    return t1 - t0, time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--random-weights", metavar="CONFIG_JSON", required=True)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+
+    print(f"mlx {mx.__version__}, device {mx.default_device()}")
+    model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
+    token = mx.array([[42]])
+    for ctx in args.contexts:
+        arms = {}
+        for name, config in ARMS.items():
+            mx.reset_peak_memory()
+            arms[name] = filled_caches(model, config, ctx)
+            if config is not None:
+                for c in arms[name]:
+                    c.fused = True
+            build_and_step(model, arms[name], token)  # warm-up: compile, allocate
+            arms[name + ":peak"] = mx.get_peak_memory()
+        names = list(ARMS)
+        rates = {n: [] for n in names}
+        split = {n: ([], []) for n in names}
+        for r in range(args.repeats):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                rates[name].append(tokens_per_second(model, arms[name], args.tokens))
+                b, s = build_and_step(model, arms[name], token)
+                split[name][0].append(b)
+                split[name][1].append(s)
+        print(f"context {ctx}: {args.tokens} generated tokens, {args.repeats} interleaved repeats")
+        for name in names:
+            paths = {getattr(c, "last_attention", None) for c in arms[name]}
+            print(
+                f"  {name:<9} {fmt(rates[name], unit=' tok/s')}"
+                f"  step {fmt(split[name][1], 1e3, ' ms')}"
+                f"  host build {fmt(split[name][0], 1e3, ' ms')}"
+                f"  peak {arms[name + ':peak'] / 2**30:.2f} GiB  attention {paths}"
+            )
+        for name in names[1:]:
+            ratio = [a / b for a, b in zip(rates[name], rates["fp16"], strict=True)]
+            print(f"  tok/s {name} / fp16: {fmt(ratio, unit='x')}")
+        if args.profile:
+            prof = cProfile.Profile()
+            for _ in range(5):  # the host graph build only; evaluation outside the profile
+                prof.enable()
+                out = model(token, cache=arms["vecinfer"])
+                prof.disable()
+                mx.eval(out)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        del arms
+
+
+if __name__ == "__main__":
+    main()
