@@ -6,8 +6,10 @@
    twin against the transient oracle on a cache filled through update_and_fetch, and the
    encode kernel's codes against the oracle's encode_keys / encode_values.
 2. Time per layer (Llama-3-8B shape by default: 32 query heads, 8 KV heads, D = 128, bf16
-   queries; d2b6 keys, d4b6 values, 4 sinks, 46-token window): the fused decode attention
-   (one variant per tokens-per-thread setting) against `mx.fast.scaled_dot_product_attention`
+   queries; d2b6 keys, d4b8 values with one codebook per layer, 4 sinks, 26-token window: the
+   default; `--value-bits 6 --value-books head --window 46` is the previous one): the fused
+   decode attention (one variant per tokens-per-thread setting) against
+   `mx.fast.scaled_dot_product_attention`
    on bf16 K/V of the same context, and the encode of one token. Each timed eval runs
    `--layers` independent calls, rotating over `--sets` distinct caches so that the codes do
    not sit in L2 between calls; repeats are interleaved over the arms; median [min, max] per
@@ -50,6 +52,7 @@ def synthetic_cache(
     key: tuple[int, int] = (6, 2),
     value: tuple[int, int] = (6, 4),
     shared_books: bool = False,
+    shared_value_books: bool | None = None,
     seed: int = 0,
 ) -> VecInferCache:
     """A VecInferCache holding `n_coded` random codes (every byte pattern is a valid code),
@@ -59,6 +62,7 @@ def synthetic_cache(
     kb, kd = key
     vb, vd = value
     books = 1 if shared_books else h
+    vbooks = books if shared_value_books is None else (1 if shared_value_books else h)
     kw = {}
     if center:
         kw.update(
@@ -71,7 +75,7 @@ def synthetic_cache(
     c = VecInferCache(
         mx.random.uniform(0.5, 2.0, (h, d)),
         mx.random.normal((books, 1 << kb, kd)),
-        mx.random.normal((books, 1 << vb, vd)) * 0.5,
+        mx.random.normal((vbooks, 1 << vb, vd)) * 0.5,
         key_bits=kb,
         key_sub_dim=kd,
         value_bits=vb,
@@ -119,9 +123,13 @@ def check_attention(args, log: list) -> bool:
         ("64-dim GQA-3", 3, 3, 64, True, True, True),
         ("uncentred", 8, 4, 128, False, False, False),
         ("shared books", 2, 2, 64, True, True, False),
+        ("default: d4b8 values per layer", 8, 4, 128, True, True, False),
     ]
     for name, h, g, d, center, vs, trad in configs:
         for n_coded in (0, 700, 5000, 40000):
+            extra = {}
+            if name.startswith("default"):
+                extra = {"value": (8, 4), "shared_value_books": True, "window": 26}
             c = synthetic_cache(
                 h,
                 d,
@@ -131,6 +139,7 @@ def check_attention(args, log: list) -> bool:
                 value_smooth=vs,
                 shared_books=name == "shared books",
                 seed=n_coded + d,
+                **extra,
             )
             q = (mx.random.normal((1, h * g, 1, d)) * 2).astype(mx.bfloat16)
             new = [mx.random.normal((1, h, 1, d)).astype(mx.bfloat16) for _ in range(2)]
@@ -275,7 +284,12 @@ def bench_context(args, n_coded: int) -> dict:
     h, g, d, layers = args.kv_heads, args.group, args.head_dim, args.layers
     rope = rope_for(d)
     scale = 1 / math.sqrt(d)
-    caches = [synthetic_cache(h, d, n_coded, rope=rope, seed=i) for i in range(args.sets)]
+    layout = {
+        "value": (args.value_bits, 4),
+        "shared_value_books": args.value_books == "layer",
+        "window": args.window,
+    }
+    caches = [synthetic_cache(h, d, n_coded, rope=rope, seed=i, **layout) for i in range(args.sets)]
     qs = [(mx.random.normal((1, h * g, 1, d)) * 2).astype(mx.bfloat16) for _ in range(layers)]
     news = [
         [mx.random.normal((1, h, 1, d)).astype(mx.bfloat16) for _ in range(2)]
@@ -368,6 +382,9 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--value-bits", type=int, default=8, help="d4 value codebook bits")
+    p.add_argument("--value-books", choices=["head", "layer"], default="layer")
+    p.add_argument("--window", type=int, default=26)
     p.add_argument("--layers", type=int, default=32, help="calls per timed eval")
     p.add_argument("--sets", type=int, default=4, help="distinct caches rotated over")
     p.add_argument("--repeats", type=int, default=15)
