@@ -307,3 +307,29 @@ def test_shallow_copies_do_not_share_writes(smollm2, bundle, prompt, monkeypatch
         assert c.offset == s.offset + 1
         np.testing.assert_array_equal(np.array(c.key_codes), kc)
         np.testing.assert_array_equal(np.array(c.window_keys), wk)
+
+
+@pytest.mark.parametrize("which", ["cuda", "metal"])
+def test_one_compiled_kernel_per_input_dtype_set(which, monkeypatch):
+    """MLX caches a custom kernel's compiled module by its name only (not by the signature,
+    which spells the input types), so a window in bfloat16 and a float16 placeholder must reach
+    MLX under two names. Recorded on the MLX side: which names it is asked to compile."""
+    import veloxquant.kernels as vk
+
+    names = []
+
+    def fake_kernel(*, name, **_):
+        names.append(name)
+        return lambda **kw: [
+            mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"], strict=True)
+        ]
+
+    monkeypatch.setattr(vk, "backend", lambda: which)
+    monkeypatch.setattr(vk, "_COMPILED", {})
+    monkeypatch.setattr(mx.fast, f"{which}_kernel", fake_kernel)
+    src = vk.KernelSource(name="probe", inputs=("x",), outputs=("y",), body="  y[0] = x[0];\n")
+    x16, xbf = mx.zeros((8,), mx.float16), mx.zeros((8,), mx.bfloat16)
+    for x in (x16, xbf, x16, xbf):
+        vk.launch(src, [x], (1, 1, 1), [(8,)], [mx.float32])
+    assert len(names) == 2 and len(set(names)) == 2  # built once per dtype set, never shared
+    assert all(n.startswith(src.kernel_name) for n in names)

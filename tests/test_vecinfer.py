@@ -392,7 +392,7 @@ def test_calibration_artifact_and_determinism(tiny, smollm2_dir):
 
 def test_value_share_sets_the_value_codebooks_apart(calib_dir, smollm2_dir):
     from veloxquant.methods.base import Artifact, ModelDims
-    from veloxquant.methods.vecinfer import DEFAULTS, check_artifact, tensor_specs
+    from veloxquant.methods.vecinfer import DEFAULTS, check_artifact, make_caches, tensor_specs
     from veloxquant.model_import import load_model
 
     acts = calib_dir / "activations"
@@ -417,7 +417,13 @@ def test_value_share_sets_the_value_codebooks_apart(calib_dir, smollm2_dir):
     old_hp = {k: v for k, v in {**DEFAULTS, "value_bits": 6}.items() if k != "value_share"}
     specs = tensor_specs(dims, old_hp)
     assert {k: tuple(s.shape) for k, s in specs.items()} == {k: v.shape for k, v in hh.items()}
-    check_artifact(Artifact("vecinfer", dict(hh), old_hp, {}), dims)
+    old = Artifact("vecinfer", dict(hh), old_hp, {})
+    check_artifact(old, dims)
+    # and options name its sharing as it is, not as it was spelled
+    asked = KVCacheConfig(method="vecinfer", options={"value_share": "head"})
+    assert len(make_caches(model, asked, old)) == 30
+    with pytest.raises(ValueError, match="value_share='layer'"):
+        make_caches(model, KVCacheConfig(method="vecinfer", options={"value_share": "layer"}), old)
     with pytest.raises(ValueError, match="value_share must be"):
         calibrate_vecinfer(acts, smollm2_dir, value_share="token", progress=False, **small)
 

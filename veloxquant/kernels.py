@@ -273,21 +273,33 @@ def backend() -> str | None:
     return None
 
 
-_COMPILED: dict[tuple[str, str], Any] = {}
+_COMPILED: dict[tuple[str, str, tuple[str, ...]], Any] = {}
 
 
-def compiled(source: KernelSource) -> Any | None:
-    """The MLX kernel object for the current backend (built once per configuration), or None
-    on the CPU. Call it with MLX's usual keyword arguments (inputs, grid, threadgroup,
-    output_shapes, output_dtypes); the grid counts threads, as in MLX."""
+def compiled_name(source: KernelSource, input_dtypes: tuple[str, ...] = ()) -> str:
+    """The name a kernel is compiled under for these input dtypes. MLX's CUDA backend caches a
+    compiled module by kernel name alone (its signature, which spells the input types, is not
+    part of the key), so one name must never see two dtype sets: a cache whose window is
+    bfloat16 and a call with a float16 placeholder would otherwise share one binary."""
+    if not input_dtypes:
+        return source.kernel_name
+    digest = hashlib.sha1(",".join(input_dtypes).encode()).hexdigest()[:8]
+    return f"{source.kernel_name}_{digest}"
+
+
+def compiled(source: KernelSource, input_dtypes: tuple[str, ...] = ()) -> Any | None:
+    """The MLX kernel object for the current backend (built once per configuration and input
+    dtypes), or None on the CPU. Call it with MLX's usual keyword arguments (inputs, grid,
+    threadgroup, output_shapes, output_dtypes); the grid counts threads, as in MLX."""
     which = backend()
     if which is None:
         return None
-    key = (which, source.kernel_name)
+    key = (which, source.kernel_name, input_dtypes)
     if key not in _COMPILED:
+        name = compiled_name(source, input_dtypes)
         if which == "cuda":
             _COMPILED[key] = mx.fast.cuda_kernel(
-                name=source.kernel_name,
+                name=name,
                 input_names=list(source.inputs),
                 output_names=list(source.outputs),
                 source=source.cuda_body(),
@@ -295,7 +307,7 @@ def compiled(source: KernelSource) -> Any | None:
             )
         else:
             _COMPILED[key] = mx.fast.metal_kernel(
-                name=source.kernel_name,
+                name=name,
                 input_names=list(source.inputs),
                 output_names=list(source.outputs),
                 source=source.metal_body(),
@@ -314,7 +326,7 @@ def launch(
     """Run `source` on the current GPU backend. `grid` counts threadgroups (not threads);
     every input must hold at least 8 elements (Metal passes smaller ones in the constant
     address space, which the dialect's `VQ_GLOBAL` casts do not expect)."""
-    kernel = compiled(source)
+    kernel = compiled(source, tuple(str(x.dtype) for x in inputs))
     if kernel is None:
         raise RuntimeError(f"{source.name}: no GPU kernel backend (MLX runs on the CPU)")
     for name, x in zip(source.inputs, inputs, strict=True):

@@ -4,9 +4,9 @@ Paper: "VecInfer: Efficient LLM Inference with Low-Bit KV Cache via Outlier-Supp
 Quantization", arXiv 2510.06175 (no public code). DESIGN.md section 8.
 
 - transform.py  smooth scales λ and the Walsh-Hadamard rotation k̃ = H·(k ⊘ λ)
-- calibrate.py  λ from the exact per-channel max|k_post|, per-(layer, KV head) k-means codebooks
-                (keys on k̃, values raw), held-out diagnostics; the Gaussian codebooks of the
-                uncalibrated variant
+- calibrate.py  key/value means, smooth scales λ, product k-means codebooks per (layer, KV head)
+                or per layer (keys on the smoothed, rotated residual; values on theirs),
+                held-out diagnostics; the Gaussian codebooks of the uncalibrated variant
 - cache.py      `VecInferCache`: packed codes + fp16 window and sinks; transient dequantisation
 
 Configs are named d{sub_dim}b{bits}: d2b6 = 3 bits/element, d4b8 = 2, d8b12 = 1.5. The default

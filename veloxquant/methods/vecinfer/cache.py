@@ -40,6 +40,7 @@ from veloxquant.methods.vecinfer.calibrate import (
     check_hyperparameters,
     gaussian_codebook,
     n_books,
+    sharing,
 )
 from veloxquant.methods.vecinfer.transform import (
     check_hadamard_dim,
@@ -484,7 +485,11 @@ class VecInferCache(CompressedCache):
 
 def _check_options(options: dict, hp: dict) -> None:
     for key, want in options.items():
-        if hp.get(key) != want:
+        have = hp.get(key)
+        if key == "value_share":  # None means "as share", in the options and in old artifacts
+            want = want or hp["share"]
+            have = sharing(hp, "value")
+        if have != want:
             raise ValueError(
                 f"vecinfer: options ask for {key}={want!r} but the artifact was calibrated "
                 f"with {key}={hp.get(key)!r}; point artifact_dir at a bundle calibrated with "
