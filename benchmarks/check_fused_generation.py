@@ -3,7 +3,8 @@ window fills during decode (the fused kernels then see a float32 window-plus-new
 the ring turns (model-dtype window and new token), so every input dtype set the kernels take
 occurs in one process. Random-weight model (greedy tokens from the transient path feed both).
 
-    python benchmarks/check_fused_generation.py --random-weights benchmarks/configs/smollm2-135m.json
+    python benchmarks/check_fused_generation.py \
+        --random-weights benchmarks/configs/smollm2-135m.json
 """
 
 from __future__ import annotations
