@@ -276,18 +276,16 @@ def backend() -> str | None:
 _COMPILED: dict[tuple[str, str, tuple[str, ...]], Any] = {}
 
 
-def compiled_name(source: KernelSource, input_dtypes: tuple[str, ...] = ()) -> str:
+def compiled_name(source: KernelSource, input_dtypes: tuple[str, ...]) -> str:
     """The name a kernel is compiled under for these input dtypes. MLX's CUDA backend caches a
     compiled module by kernel name alone (its signature, which spells the input types, is not
     part of the key), so one name must never see two dtype sets: a cache whose window is
     bfloat16 and a call with a float16 placeholder would otherwise share one binary."""
-    if not input_dtypes:
-        return source.kernel_name
     digest = hashlib.sha1(",".join(input_dtypes).encode()).hexdigest()[:8]
     return f"{source.kernel_name}_{digest}"
 
 
-def compiled(source: KernelSource, input_dtypes: tuple[str, ...] = ()) -> Any | None:
+def compiled(source: KernelSource, input_dtypes: tuple[str, ...]) -> Any | None:
     """The MLX kernel object for the current backend (built once per configuration and input
     dtypes), or None on the CPU. Call it with MLX's usual keyword arguments (inputs, grid,
     threadgroup, output_shapes, output_dtypes); the grid counts threads, as in MLX."""
