@@ -16,10 +16,18 @@ capture (k_post, v):
    the captured k_post / v, at every width 1-8; fit ln d = ln α − b ln β over the allowed
    widths, α per unit and β per stream ([2]: a property of the quantizer, and per-head slopes
    from a few points would be noise), with R² per unit.
-3. allocation (alloc.py): reverse water-filling with bisection on μ, snap to the allowed
-   widths, greedy rebalance by marginal gain on the measured d until the mean code bits meet
-   b̄ − 32/G exactly (b̄ counts the fp16 scale + zero of each group of G). Stored for the
-   hyperparameter `bits` as `bits` [L, H_kv, 2] int8 (for the heatmap and inspection).
+3. stream response `stream_kl` [2, n_allowed] (fisher.py): the KL per token when only the
+   keys, or only the values, carry the runtime's KIVI error at each allowed width, on
+   `response_tokens` of the held-out calibration window. It rescales each stream's curves
+   by κ_s(b) = measured / Σ w·d(b) (the second-order model underestimates 1-2 bit errors
+   and weighs keys against values only approximately), and a width costing a stream more
+   than `max_stream_kl` nats/token is not admissible for it (on SmolLM2: keys at 1 bit,
+   KL ≈ 3; values at 1 bit cost ≈ 0.3 and stay allowed).
+4. allocation (alloc.py): reverse water-filling with bisection on μ, snap to the allowed
+   widths, greedy rebalance by marginal gain on the measured (rescaled) d until the mean code
+   bits meet b̄ − 32/G exactly (b̄ counts the fp16 scale + zero of each group of G), then
+   equal-bit exchanges while they lower the objective. Stored for the hyperparameter `bits`
+   as `bits` [L, H_kv, 2] int8 (for the heatmap and inspection).
 
 Runtime (`make_caches`): `KVCacheConfig(method="ratequant", bits=b̄, artifact_dir=DIR)` solves
 the allocation for that b̄ at load time from the stored importance and distortion (a few ms),
@@ -31,13 +39,19 @@ Knobs: KVCacheConfig.bits (b̄, counting scale + zero), group_size (must equal t
 G, default 64), window (default 32), sinks (default 4); window and sinks may differ from the
 calibration's, but the importance assumed the calibration's. options:
 - "importance": "fisher" (default) or "proxy": the E‖x‖² allocation (ablation row);
-- "allowed_bits": widths to allocate from (default the calibration's `allowed_bits`, 2/3/4/8:
-  1-bit KIVI (min/max codes only) makes errors larger than the signal, where the second-order
-  importance no longer predicts the loss; allow it explicitly to reach b̄ below 2 + 32/G).
+- "allowed_bits": widths to allocate from, a subset of the calibration's `allowed_bits`
+  (default 1/2/3/4/8; the stream response is measured only there). The lowest b̄ is set by
+  the admissible widths: keys at >= 2 and values at >= 1 bit give b̄ >= 1.5 + 32/G = 2.0.
 
 Uncalibrated reference (`uncalibrated=True`, no bundle): uniform KIVI at the same b̄ and G;
 a b̄ between two allowed widths is a fixed interleaved split between them (alloc.py,
 `uniform_allocation`), so keys and values each average b̄ and nothing is model-specific.
+
+Why 1-bit values but not 1-bit keys: a value's error reaches the output through the
+attention weights, so errors spread over many tokens average out; a key's error moves the
+attention logits, and at 1 bit (min/max codes per channel) by enough to pull attention onto
+tokens a head otherwise ignores. Small-perturbation Fisher sees neither, which is why the
+response is measured.
 
 Why G = 64: with the fp16 scale + zero counted, G = 32 costs 1 bit per element and leaves no
 room to mix at low b̄; at equal resident bits G = 64 with more code bits gave lower KL than
@@ -61,7 +75,7 @@ from veloxquant.methods.ratequant.heatmap import write_heatmap
 NAME = "ratequant"
 MEASURED_BITS = kivi.SUPPORTED_BITS  # distortion is measured at every width the runtime packs
 DEFAULT_GROUP_SIZE = 64
-DEFAULT_ALLOWED_BITS = (2, 3, 4, 8)
+DEFAULT_ALLOWED_BITS = (1, 2, 3, 4, 8)
 IMPORTANCE_KINDS = ("fisher", "proxy")
 
 DEFAULTS: dict[str, Any] = {
@@ -79,6 +93,8 @@ DEFAULTS: dict[str, Any] = {
     "validate_tokens": 512,
     "noise_sigma": 0.1,  # noise RMS relative to the head's RMS
     "noise_draws": 1,
+    "response_tokens": 512,  # tokens of the held-out window for the stream response
+    "max_stream_kl": 1.0,  # nats/token: a width costing a stream more is not admissible
     "seed": 0,
 }
 
@@ -101,6 +117,7 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
         ("validate_units", 0),
         ("validate_tokens", 2),
         ("noise_draws", 1),
+        ("response_tokens", 2),
     ):
         if not _is_int(hp[name]) or hp[name] < lo:
             raise ValueError(f"ratequant: {name} must be an integer >= {lo}, got {hp[name]!r}")
@@ -113,6 +130,9 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
     sigma = hp["noise_sigma"]
     if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not 0 < sigma < 1:
         raise ValueError(f"ratequant: noise_sigma must be in (0, 1), got {sigma!r}")
+    max_kl = hp["max_stream_kl"]
+    if isinstance(max_kl, bool) or not isinstance(max_kl, numbers.Real) or not max_kl > 0:
+        raise ValueError(f"ratequant: max_stream_kl must be a number > 0, got {max_kl!r}")
     if not _is_int(hp["seed"]):
         raise ValueError(f"ratequant: seed must be an integer, got {hp['seed']!r}")
 
@@ -127,6 +147,7 @@ def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
         "alpha": TensorSpec(unit, "float32"),
         "beta": TensorSpec((2,), "float32"),
         "bits": TensorSpec(unit, "int8"),
+        "stream_kl": TensorSpec((2, len(hp["allowed_bits"])), "float32"),
     }
 
 
@@ -150,9 +171,19 @@ def check_artifact(artifact: Artifact, dims: ModelDims) -> None:
                 "calibrated for another model"
             )
     t = {k: np.asarray(artifact.tensors[k], np.float64) for k in specs}
-    for name in ("importance", "fisher_sq", "proxy_importance", "alpha", "distortion", "beta"):
+    for name in (
+        "importance",
+        "fisher_sq",
+        "proxy_importance",
+        "alpha",
+        "distortion",
+        "beta",
+        "stream_kl",
+    ):
         if not np.all(np.isfinite(t[name])):
             raise ValueError(f"ratequant artifact: {name} holds NaN/inf")
+    if np.any(t["stream_kl"] < 0):
+        raise ValueError("ratequant artifact: stream_kl (a KL) must be >= 0")
     if np.any(t["importance"] < 0) or np.any(t["proxy_importance"] < 0):
         raise ValueError("ratequant artifact: importance must be >= 0")
     if np.any(t["distortion"] <= 0) or np.any(t["alpha"] <= 0):
@@ -263,13 +294,30 @@ def calibrate(
         }
 
     t0 = time.perf_counter()
+    # The last calibration window: held out of the Fisher average when validating.
+    stream_kl = fisher.stream_response(
+        model,
+        windows[-1, : hp["response_tokens"]],
+        allowed,
+        chunk=hp["fisher_chunk"],
+        window=window,
+        sinks=sinks,
+        group_size=g,
+        progress=progress,
+    )
+    stream_kl = np.maximum(stream_kl, 0.0)  # float32 can put a KL of ~0 a hair below 0
+    response_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
     distortion = alloc.distortion_from_capture(
         inputs.activations_dir, dims.L, MEASURED_BITS, g, sinks, progress=progress
     )
     distortion_s = time.perf_counter() - t0
     cols = [MEASURED_BITS.index(b) for b in allowed]
     alpha, beta, r2 = alloc.fit_distortion(allowed, distortion[..., cols])
-    bits, solve = alloc.allocate(w, alpha, beta, distortion[..., cols], allowed, hp["bits"], g)
+    bits, solve = solve_from_tensors(
+        w, distortion[..., cols], stream_kl, allowed, hp["bits"], g, hp["max_stream_kl"]
+    )
 
     tensors = {
         "importance": w.astype(np.float32),
@@ -279,6 +327,7 @@ def calibrate(
         "alpha": alpha.astype(np.float32),
         "beta": beta.astype(np.float32),
         "bits": bits.astype(np.int8),
+        "stream_kl": stream_kl.astype(np.float32),
     }
     diagnostics = {
         "fit_r2": r2.tolist(),
@@ -286,7 +335,20 @@ def calibrate(
         "fit_r2_median": float(np.median(r2)),
         "beta": beta.tolist(),
         "validation": validation,
-        "timing": {**timing, "distortion_s": distortion_s, "solve_s": solve["solve_s"]},
+        "timing": {
+            **timing,
+            "stream_response_s": response_s,
+            "distortion_s": distortion_s,
+            "solve_s": solve["solve_s"],
+        },
+        "stream_response": {
+            "allowed_bits": list(allowed),
+            "kl_keys": stream_kl[0].tolist(),
+            "kl_values": stream_kl[1].tolist(),
+            "min_bits": solve["min_bits"],
+            "stream_scale": solve["stream_scale"],
+            "tokens": int(min(windows.shape[1], hp["response_tokens"])),
+        },
         "allocation": solve,
         "fisher_windows": picks.tolist(),
         "fisher_tokens": int(windows.shape[1]),
@@ -331,26 +393,53 @@ def _layout(config: Any, dims: ModelDims, group_size: int, window: int, sinks: i
     return group_size, int(window), int(sinks)
 
 
+def solve_from_tensors(
+    importance: np.ndarray,
+    distortion: np.ndarray,
+    stream_kl: np.ndarray,
+    allowed: tuple[int, ...],
+    bits: float,
+    group_size: int,
+    max_stream_kl: float,
+) -> tuple[np.ndarray, dict]:
+    """The allocation for an average b̄: the measured curves d [L, H, 2, n_bits] rescaled per
+    stream and width by κ (`alloc.stream_scale`, from stream_kl [2, n_bits] and this
+    importance), α and β fitted to them, and the widths each stream's response admits."""
+    kappa = alloc.stream_scale(stream_kl, importance, distortion)
+    d = distortion * kappa
+    alpha, beta, _ = alloc.fit_distortion(allowed, d)
+    min_bits = alloc.admissible_min_bits(stream_kl, allowed, max_stream_kl)
+    out, info = alloc.allocate(importance, alpha, beta, d, allowed, bits, group_size, min_bits)
+    return out, info | {"stream_scale": kappa.tolist()}
+
+
 def solve_allocation(
     artifact: Artifact,
     bits: float,
     importance: str = "fisher",
     allowed: tuple[int, ...] | None = None,
 ) -> tuple[np.ndarray, dict]:
-    """The [L, H_kv, 2] allocation for an average b̄ from an artifact's importance (or proxy)
-    and distortion; refits α, β when `allowed` differs from the calibration's widths."""
+    """The [L, H_kv, 2] allocation for an average b̄ from an artifact's importance (or proxy),
+    distortion and stream response (`solve_from_tensors`); `allowed` must be a subset of the
+    calibration's widths, where the response was measured."""
     hp = artifact.hyperparameters
     t = artifact.tensors
     cal_allowed = alloc.check_allowed_bits(hp["allowed_bits"])
     allowed = cal_allowed if allowed is None else allowed
+    missing = sorted(set(allowed) - set(cal_allowed))
+    if missing:
+        raise ValueError(
+            f"ratequant: allowed_bits {list(allowed)} includes {missing}, where this artifact "
+            f"measured no stream response (it has {list(cal_allowed)}); pick a subset or "
+            "recalibrate with those widths"
+        )
     table = np.asarray(t["distortion"], np.float64)
     d = table[..., [MEASURED_BITS.index(b) for b in allowed]]
-    if allowed == cal_allowed:
-        alpha, beta = np.asarray(t["alpha"], np.float64), np.asarray(t["beta"], np.float64)
-    else:
-        alpha, beta, _ = alloc.fit_distortion(allowed, d)
+    kl = np.asarray(t["stream_kl"], np.float64)[:, [cal_allowed.index(b) for b in allowed]]
     w = np.asarray(t["importance" if importance == "fisher" else "proxy_importance"], np.float64)
-    return alloc.allocate(w, alpha, beta, d, allowed, bits, int(hp["group_size"]))
+    return solve_from_tensors(
+        w, d, kl, allowed, bits, int(hp["group_size"]), float(hp["max_stream_kl"])
+    )
 
 
 def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list:

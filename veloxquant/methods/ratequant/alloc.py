@@ -22,9 +22,24 @@ b_min, b_max) with bisection on μ, snap to the nearest allowed width, then gree
 rebalancing by marginal gain Δ(w·d)/Δbits on the *measured* d until the total code bits equal
 the budget: while over budget, lower the unit whose next-lower width costs least per bit
 saved; while under, raise the unit whose next-higher width gains most per bit spent. Moves
-that fit the remaining gap go first; a unit moved one way never moves back. The budget is
+that fit the remaining gap go first; a unit moved one way never moves back. Last, exchanges
+at constant total: while raising one unit and lowering another by the same bits lowers the
+objective, the best such pair is made (the snap of the fitted curve can misplace units
+where the measured curve bends, e.g. at 1 bit). The budget is
 exact whenever (b̄ − 32/G)·N is an integer for N = L·H·2 units, otherwise the largest total
 below it; target and achieved b̄ are both reported.
+
+Stream response (`stream_scale`, `admissible_min_bits`): w·d is the second-order loss of
+small errors. The calibration also measures the KL of quantizing one whole stream at each
+allowed width (fisher.py, `stream_response`). κ_s(b) = measured KL / Σ_units w·d(b) says how
+far the second-order model is off for stream s at width b: measured on SmolLM2, about 1.6×
+more for values than for keys even at 8 bits, and 2-5× more at 1-2 bits than at 4. The
+allocation minimises Σ w·κ_s(b)·d(b) (a width-dependent rescale of the measured curves per
+stream, so the within-stream ranking stays Fisher's). A width whose stream alone costs more
+than `max_stream_kl` nats per token is not admissible for that stream: there the model is
+broken, not perturbed, and no per-unit importance from small perturbations can rank heads
+(1-bit keys: a head that ignores its quantized past at small errors attends to garbage at
+large ones).
 """
 
 from __future__ import annotations
@@ -183,24 +198,26 @@ def water_fill(
     alpha: np.ndarray,
     beta: np.ndarray,
     mean_bits: float,
-    b_min: float,
+    b_min: float | np.ndarray,
     b_max: float,
     iters: int = 200,
 ) -> tuple[np.ndarray, float]:
     """Continuous reverse water-filling: b = clip(log_β(w·α·ln β / μ), b_min, b_max), μ by
-    bisection (in log space) so that mean(b) = mean_bits. Returns (b, ln μ)."""
+    bisection (in log space) so that mean(b) = mean_bits; b_min may be per unit. Returns
+    (b, ln μ)."""
     ln_beta = np.log(np.broadcast_to(beta, w.shape))
     with np.errstate(divide="ignore"):
         c = np.log(np.maximum(w, 0) * alpha * ln_beta)  # -inf for w = 0: always b_min
     finite = c[np.isfinite(c)]
+    b_min = np.broadcast_to(np.asarray(b_min, np.float64), w.shape)
     if finite.size == 0:
-        return np.full(w.shape, float(mean_bits)), float("nan")
+        return np.maximum(np.full(w.shape, float(mean_bits)), b_min), float("nan")
 
     def bits(ln_mu: float) -> np.ndarray:
         return np.clip((c - ln_mu) / ln_beta, b_min, b_max)
 
     lo = float(np.min(finite - b_max * ln_beta.max())) - 1.0  # every unit at b_max
-    hi = float(np.max(finite - b_min * ln_beta.min())) + 1.0  # every unit at b_min
+    hi = float(np.max(finite - b_min.min() * ln_beta.min())) + 1.0  # every unit at b_min
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
         if bits(mid).mean() > mean_bits:
@@ -216,6 +233,53 @@ def _measured_d(d_table: np.ndarray, allowed: Sequence[int], b: np.ndarray) -> n
     return np.take_along_axis(d_table, pos[..., None], axis=-1)[..., 0]
 
 
+def stream_scale(
+    stream_kl: np.ndarray, importance: np.ndarray, distortion: np.ndarray
+) -> np.ndarray:
+    """κ [2, n_bits]: measured KL of each stream quantized alone at each width (stream_kl
+    [2, n_bits]) over the second-order prediction Σ_units w·d(b) (importance [L, H, 2],
+    distortion [L, H, 2, n_bits]). A width whose measured KL is 0 (float32 cannot see its
+    error) gets a tiny κ: it costs nothing measurable."""
+    kl = np.asarray(stream_kl, np.float64)
+    w = np.asarray(importance, np.float64)
+    d = np.asarray(distortion, np.float64)
+    pred = np.einsum("lhs,lhsb->sb", w, d)
+    if kl.shape != pred.shape:
+        raise ValueError(
+            f"ratequant: stream_kl has shape {list(kl.shape)} but the distortion table has "
+            f"{pred.shape[1]} widths"
+        )
+    if np.any(~np.isfinite(kl)) or np.any(~(pred > 0)):
+        raise ValueError(
+            "ratequant: the stream response needs finite measured KL and a positive predicted "
+            "loss (an importance that is zero for a whole stream?); recalibrate"
+        )
+    return np.maximum(kl, 1e-12) / pred
+
+
+def admissible_min_bits(
+    stream_kl: np.ndarray, allowed: Sequence[int], max_stream_kl: float
+) -> tuple[int, int]:
+    """The lowest width per stream (keys, values) from which every allowed width keeps that
+    stream's measured KL (stream_kl [2, n_bits]) at or below max_stream_kl."""
+    kl = np.asarray(stream_kl, np.float64)
+    out = []
+    for s in range(2):
+        ok = kl[s] <= max_stream_kl
+        # admissible widths form a top range: the first width from which all above pass
+        bad = np.flatnonzero(~ok)
+        first = 0 if bad.size == 0 else int(bad.max()) + 1
+        if first >= len(allowed):
+            raise ValueError(
+                f"ratequant: every allowed width costs the {('keys', 'values')[s]} alone "
+                f"more than max_stream_kl={max_stream_kl} nats/token (measured "
+                f"{[round(float(x), 4) for x in kl[s]]} at {list(allowed)}); allow wider "
+                "widths or raise max_stream_kl"
+            )
+        out.append(int(allowed[first]))
+    return out[0], out[1]
+
+
 def allocate(
     importance: np.ndarray,
     alpha: np.ndarray,
@@ -224,11 +288,14 @@ def allocate(
     allowed: Sequence[int],
     target_bits: float,
     group_size: int,
+    min_bits: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Bits [L, H, 2] (int) for an average b̄ = target_bits counting scale + zero overhead.
 
-    importance, alpha [L, H, 2]; beta [2]; distortion [L, H, 2, n_bits] measured at `allowed`.
-    Returns the allocation and a summary (target / achieved b̄, μ, objective, time).
+    importance, alpha [L, H, 2]; beta [2]; distortion [L, H, 2, n_bits] measured at `allowed`
+    (for RateQuant's runtime: rescaled by κ, `stream_scale`); min_bits: the lowest admissible
+    width per stream (keys, values), default the lowest allowed. Returns the allocation and a
+    summary (target / achieved b̄, μ, objective, time).
     """
     t0 = time.perf_counter()
     allowed = check_allowed_bits(allowed)
@@ -247,12 +314,29 @@ def allocate(
             f"for {len(allowed)} allowed widths"
         )
     mean_code = code_budget(target_bits, allowed, group_size)
+    grid = np.asarray(allowed, np.float64)
+    min_bits = (allowed[0], allowed[0]) if min_bits is None else tuple(min_bits)
+    if len(min_bits) != 2 or any(b not in allowed for b in min_bits):
+        raise ValueError(
+            f"ratequant: min_bits {list(min_bits)} must be one allowed width per stream "
+            f"(keys, values) from {list(allowed)}"
+        )
+    floor_bits = np.broadcast_to(np.asarray(min_bits, np.float64), w.shape)
+    ovh = kivi.overhead_bits(group_size)
+    if mean_code < floor_bits.mean() - 1e-9:
+        raise ValueError(
+            f"ratequant: bits={target_bits} is below the lowest admissible average "
+            f"{floor_bits.mean() + ovh:g} (keys at >= {min_bits[0]} bits, values at >= "
+            f"{min_bits[1]}, plus {ovh:g} for scale + zero): a lower width was measured to "
+            "break the model (see max_stream_kl); ask for more bits"
+        )
     n = w.size
     budget = int(math.floor(mean_code * n + 1e-6))
-    cont, ln_mu = water_fill(w, alpha, beta, mean_code, allowed[0], allowed[-1])
+    cont, ln_mu = water_fill(w, alpha, beta, mean_code, floor_bits, allowed[-1])
 
-    grid = np.asarray(allowed, np.float64)
+    lowest = np.searchsorted(grid, floor_bits.reshape(-1))  # per unit: lowest level allowed
     level = np.abs(cont[..., None] - grid).argmin(-1).reshape(-1)  # snap: nearest width
+    level = np.maximum(level, lowest)
     wf, dt = w.reshape(-1), d_table.reshape(n, len(allowed))
     cost = wf[:, None] * dt  # w·d at every width
     # A unit moved one way is never moved back, so the loop ends (each unit moves at most
@@ -269,7 +353,7 @@ def allocate(
         up = total < budget
         nxt = np.clip(level + (1 if up else -1), 0, len(allowed) - 1)
         step = np.abs(grid[nxt] - grid[level])
-        ok = (nxt != level) & ~locked[:, int(up)]
+        ok = (nxt != level) & ~locked[:, int(up)] & (nxt >= lowest)
         # gain per bit spent (up) or minus the cost per bit saved (down): higher is better
         delta = (cost[units, level] - cost[units, nxt]) / np.where(step > 0, step, 1)
         score = np.where(ok, delta, -np.inf)
@@ -281,8 +365,8 @@ def allocate(
         level[pick] = nxt[pick]
         locked[pick, int(not up)] = True
         moves += 1
+    exchanges = _exchange(level, lowest, grid, cost)
     bits = grid[level].astype(np.int64).reshape(w.shape)
-    ovh = kivi.overhead_bits(group_size)
     info = {
         "target_bits": float(target_bits),
         "achieved_bits": float(bits.mean() + ovh),
@@ -292,11 +376,52 @@ def allocate(
         "continuous_mean_bits": float(cont.mean()),
         "ln_mu": ln_mu,
         "greedy_moves": moves,
+        "exchanges": exchanges,
+        "min_bits": [int(b) for b in min_bits],
         "objective": float((wf * _measured_d(dt, allowed, bits.reshape(-1))).sum()),
         "histogram": {int(b): int((bits == b).sum()) for b in allowed},
         "solve_s": time.perf_counter() - t0,
     }
     return bits, info
+
+
+def _two_best(score: np.ndarray) -> np.ndarray:
+    """Indices of the two highest scores (the second is the first if there is one unit)."""
+    if score.size < 2:
+        return np.zeros(2, dtype=np.int64)
+    top = np.argpartition(-score, 1)[:2]
+    return top[np.argsort(-score[top], kind="stable")]
+
+
+def _exchange(level: np.ndarray, lowest: np.ndarray, grid: np.ndarray, cost: np.ndarray) -> int:
+    """Improve a budget-exact allocation in place: while raising one unit and lowering another
+    by the same number of bits lowers Σ w·d, make the best such pair of moves. The snap and the
+    one-way rebalance can leave a unit holding bits that another would use better (the fitted
+    curves are not the measured ones); every exchange strictly lowers the objective at the same
+    total bits, so this ends. Returns the number of exchanges."""
+    n, top = len(level), len(grid) - 1
+    units = np.arange(n)
+    count = 0
+    tol = 1e-12 * max(float(np.abs(cost[units, level]).sum()), 1e-300)
+    while True:
+        up, down = np.minimum(level + 1, top), np.maximum(level - 1, lowest)
+        up_step, down_step = grid[up] - grid[level], grid[level] - grid[down]
+        gain = cost[units, level] - cost[units, up]  # objective saved by raising
+        loss = cost[units, down] - cost[units, level]  # objective added by lowering
+        best, pair = tol, None
+        for step in np.unique(up_step[up_step > 0]):
+            raise_by = np.where(up_step == step, gain, -np.inf)
+            lower_by = np.where(down_step == step, -loss, -np.inf)
+            for i in _two_best(raise_by):
+                for j in _two_best(lower_by):
+                    net = raise_by[i] + lower_by[j]
+                    if i != j and np.isfinite(net) and net > best:
+                        best, pair = net, (i, j)
+        if pair is None:
+            return count
+        level[pair[0]] += 1
+        level[pair[1]] -= 1
+        count += 1
 
 
 def uniform_allocation(

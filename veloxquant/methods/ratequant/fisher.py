@@ -27,6 +27,13 @@ stream) units, fed exactly like the gradient pass, with Gaussian noise shaped li
 quantizer's error (std ∝ r, overall σ = sigma · the head's RMS): ΔKL(clean ‖ noisy) / σ²
 ≈ ½ w for small σ, so its rank correlation with w checks the estimator.
 
+Stream response (`quantization_kl`, `stream_response`): forward only, the KL the runtime's
+actual KIVI error costs when one stream (every layer and head) is quantized at width b and the
+other is exact, fed like the gradient pass. The second-order importance w·d is the loss of
+*small* errors; KIVI at 1-2 bits is not small (min/max codes move a key's attention logits
+by O(1)), and the response tells the allocation by how much each stream's loss departs from
+w·d at each width (alloc.py, `stream_scale`) and at which widths a stream breaks the model.
+
 Proxy (`proxy_importance`): E‖x‖² per (layer, head, stream), the cheap, weaker importance
 (upstream's, per layer from keys only) kept for the ablation.
 """
@@ -41,7 +48,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from veloxquant.methods import kivi
+
 STREAM_NAMES = ("K", "V")
+STREAM_KINDS = ("key", "value")  # kivi.fake_quantize's names
 MODES = ("plain", "runtime")
 
 
@@ -326,6 +336,100 @@ def noise_validation(
             kls.append(float(kl.item()))
         out.append(float(np.mean(kls)) / (s * s))
     return np.array(out)
+
+
+def kivi_error(x: mx.array, stream: int, bits: int, group_size: int, sinks: int) -> mx.array:
+    """The runtime quantizer's error Q_b(x) − x on x [B, H, T, D] (stream 0 keys, 1 values):
+    zero at the sinks and after the last whole key block from position `sinks`, which are the
+    positions a KIVICache ever quantizes (it flushes whole blocks of G after the sinks)."""
+    t = x.shape[2]
+    lo = min(sinks, t)
+    hi = lo + (t - lo) // group_size * group_size
+    if hi == lo:
+        return mx.zeros_like(x)
+    body = x[:, :, lo:hi].astype(mx.float32)
+    err = kivi.fake_quantize(body, bits, group_size, STREAM_KINDS[stream]) - body
+    pad = [(0, 0), (0, 0), (lo, t - hi), (0, 0)]
+    return mx.pad(err, pad)
+
+
+def quantization_kl(
+    model: Any,
+    tokens: np.ndarray,
+    key_bits: int | None,
+    value_bits: int | None,
+    *,
+    chunk: int = 64,
+    window: int = 32,
+    sinks: int = 4,
+    group_size: int = 64,
+    reference: tuple[list, list] | None = None,
+) -> float:
+    """Mean KL(clean ‖ quantized) per token of one window tokens [S] when every layer's keys
+    (values) carry the runtime KIVI error at key_bits (value_bits); None leaves a stream exact.
+    Fed in calls of `chunk` tokens in runtime mode, so each call sees the error exactly where
+    a KIVICache with this layout holds tokens quantized (up to the fp16 rounding of its
+    window); the mean is over the calls that see any quantized token. `reference`: the clean
+    (log-probs, caches) of `window_logp`, to share across calls."""
+    x = mx.array(np.asarray(tokens, dtype=np.int32))
+    kwargs = {"mode": "runtime", "window": window, "sinks": sinks, "group_size": group_size}
+    n_layers = len(model.layers)
+    n = x.shape[0] - 1
+    if reference is None:
+        reference = window_logp(model, x, [None] * (2 * n_layers), chunk, **kwargs)
+        mx.eval(reference[0])
+    ref, caches = reference
+    perts: list[mx.array | None] = []
+    for c in caches:
+        for stream, bits in enumerate((key_bits, value_bits)):
+            stored = (c.keys if stream == 0 else c.values)[:, :, :n]
+            perts.append(
+                None if bits is None else kivi_error(stored, stream, bits, group_size, sinks)
+            )
+    noisy, _ = window_logp(model, x, perts, chunk, **kwargs)
+    total, count = 0.0, 0
+    for start, (r, q) in zip(range(0, n, chunk), zip(ref, noisy, strict=True), strict=True):
+        lo, hi = quantized_prefix(start, window, sinks, group_size)
+        if hi > lo:
+            total += float((mx.exp(r) * (r - q)).sum().item())
+            count += r.shape[0]
+    if count == 0:
+        raise ValueError(
+            f"ratequant: a window of {n + 1} tokens never holds a quantized token with "
+            f"window={window}, sinks={sinks}, G={group_size}; use longer calibration windows"
+        )
+    return total / count
+
+
+def stream_response(
+    model: Any,
+    tokens: np.ndarray,
+    allowed: Sequence[int],
+    *,
+    chunk: int = 64,
+    window: int = 32,
+    sinks: int = 4,
+    group_size: int = 64,
+    progress: bool = False,
+) -> np.ndarray:
+    """KL [2, len(allowed)] (float64): `quantization_kl` with only the keys (row 0) or only the
+    values (row 1) quantized, at each allowed width, on one window tokens [S]."""
+    from tqdm.auto import tqdm
+
+    x = mx.array(np.asarray(tokens, dtype=np.int32))
+    kwargs = {"window": window, "sinks": sinks, "group_size": group_size}
+    reference = window_logp(
+        model, x, [None] * (2 * len(model.layers)), chunk, mode="runtime", **kwargs
+    )
+    mx.eval(reference[0])
+    out = np.zeros((2, len(allowed)))
+    jobs = [(s, i) for s in range(2) for i in range(len(allowed))]
+    for s, i in tqdm(jobs, desc="stream response", unit="run", disable=not progress):
+        bits = (allowed[i], None) if s == 0 else (None, allowed[i])
+        out[s, i] = quantization_kl(
+            model, tokens, *bits, chunk=chunk, reference=reference, **kwargs
+        )
+    return out
 
 
 def proxy_importance(stats: dict[str, Any]) -> np.ndarray:
