@@ -31,7 +31,11 @@ DECODE = 6  # greedy steps before saving, and again after loading
 VOCAB = 96
 # Hyperparameters that keep each calibration on the tiny model fast; unlisted methods use
 # their defaults.
-SMALL = {"vecinfer": {"iters": 2}, "ratequant": {"group_size": 32}, "commvq": {"hard_iters": 2}}
+SMALL = {
+    "vecinfer": {"iters": 2},
+    "ratequant": {"group_size": 32, "window": 8, "fisher_chunk": 16},
+    "commvq": {"hard_iters": 2},
+}
 
 
 def knobs(name: str) -> dict:

@@ -56,6 +56,11 @@ def _shrink_conf(conf: Path) -> None:
         fisher_tokens=128,
         validate_units=2,
         validate_tokens=64,
+        # a 128-token window must hold quantized tokens (sinks + window + G = 44) to measure
+        # anything: the calibration refuses one that does not
+        window=8,
+        group_size=32,
+        fisher_chunk=16,
     )
     rows = yaml.safe_load((conf / "eval/default.yaml").read_text())["rows"]
     keep = {

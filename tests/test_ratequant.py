@@ -294,6 +294,9 @@ def test_stream_scale_and_admissible_widths():
         3,
         1,
     )
+    fisher.check_response_window(70, 4, 32, 4, 32)  # the call at 68 sees [4, 36) quantized
+    with pytest.raises(ValueError, match="never holds a quantized token"):
+        fisher.check_response_window(69, 4, 32, 4, 32)
     with pytest.raises(ValueError, match="every allowed width costs the keys"):
         alloc.admissible_min_bits(kl, (1, 2, 3), 0.01)
     with pytest.raises(ValueError, match="widths"):
@@ -412,6 +415,11 @@ def test_make_caches_solves_at_load_time_and_checks_the_artifact():
     assert hb[..., 0].min() >= 2 and hb.mean() + 2 == pytest.approx(4.0)
     with pytest.raises(ValueError, match="lowest admissible"):
         make(model, config(bits=3.4, group_size=16), broken)
+    # the ablation without the response allocates on Σ w·d alone and gives keys 1 bit
+    off = config(bits=4.0, group_size=16, options={"stream_response": False})
+    assert np.stack([c.head_bits for c in make(model, off, broken)])[..., 0].min() == 1
+    with pytest.raises(ValueError, match="stream_response"):
+        make(model, config(bits=4.0, group_size=16, options={"stream_response": 1}), broken)
 
 
 # ------------------------------------------------------------------------- real default model

@@ -39,6 +39,8 @@ Knobs: KVCacheConfig.bits (b̄, counting scale + zero), group_size (must equal t
 G, default 64), window (default 32), sinks (default 4); window and sinks may differ from the
 calibration's, but the importance assumed the calibration's. options:
 - "importance": "fisher" (default) or "proxy": the E‖x‖² allocation (ablation row);
+- "stream_response": True (default); False drops the measured response (κ and the admissible
+  widths) and allocates on the plain second-order Σ w·d (ablation row);
 - "allowed_bits": widths to allocate from, a subset of the calibration's `allowed_bits`
   (default 1/2/3/4/8; the stream response is measured only there). The lowest b̄ is set by
   the admissible widths: keys at >= 2 and values at >= 1 bit give b̄ >= 1.5 + 32/G = 2.0.
@@ -235,6 +237,9 @@ def calibrate(
         )
 
     windows = load_tokens(inputs.calib_tokens)[:, : hp["fisher_tokens"]]
+    fisher.check_response_window(
+        min(windows.shape[1], hp["response_tokens"]), hp["fisher_chunk"], window, sinks, g
+    )
     model, _ = load_model(Path(inputs.model_dir))  # weights only: no tokenizer is needed
     live = ModelDims.of(model)
     if (live.L, live.H_q, live.H_kv, live.D) != (dims.L, dims.H_q, dims.H_kv, dims.D):
@@ -364,18 +369,24 @@ def calibrate(
 # Runtime
 
 
-def _options(config: Any) -> tuple[str, tuple[int, ...] | None]:
+OPTION_KEYS = ("importance", "allowed_bits", "stream_response")
+
+
+def _options(config: Any) -> tuple[str, tuple[int, ...] | None, bool]:
     options = dict(config.options or {})
-    unknown = sorted(set(options) - {"importance", "allowed_bits"})
+    unknown = sorted(set(options) - set(OPTION_KEYS))
     if unknown:
-        raise ValueError(f"ratequant: unknown options {unknown}; known: importance, allowed_bits")
+        raise ValueError(f"ratequant: unknown options {unknown}; known: {list(OPTION_KEYS)}")
     kind = options.get("importance", "fisher")
     if kind not in IMPORTANCE_KINDS:
         raise ValueError(
             f"ratequant: options importance must be one of {IMPORTANCE_KINDS}, got {kind!r}"
         )
+    response = options.get("stream_response", True)
+    if not isinstance(response, bool):
+        raise ValueError(f"ratequant: options stream_response must be a bool, got {response!r}")
     allowed = options.get("allowed_bits")
-    return kind, None if allowed is None else alloc.check_allowed_bits(allowed)
+    return kind, None if allowed is None else alloc.check_allowed_bits(allowed), response
 
 
 def _layout(config: Any, dims: ModelDims, group_size: int, window: int, sinks: int):
@@ -401,14 +412,20 @@ def solve_from_tensors(
     bits: float,
     group_size: int,
     max_stream_kl: float,
+    stream_response: bool = True,
 ) -> tuple[np.ndarray, dict]:
     """The allocation for an average b̄: the measured curves d [L, H, 2, n_bits] rescaled per
     stream and width by κ (`alloc.stream_scale`, from stream_kl [2, n_bits] and this
-    importance), α and β fitted to them, and the widths each stream's response admits."""
-    kappa = alloc.stream_scale(stream_kl, importance, distortion)
+    importance), α and β fitted to them, and the widths each stream's response admits.
+    stream_response=False is the ablation: the plain second-order objective Σ w·d over every
+    allowed width."""
+    if stream_response:
+        kappa = alloc.stream_scale(stream_kl, importance, distortion)
+        min_bits = alloc.admissible_min_bits(stream_kl, allowed, max_stream_kl)
+    else:
+        kappa, min_bits = np.ones(np.shape(stream_kl)), None
     d = distortion * kappa
     alpha, beta, _ = alloc.fit_distortion(allowed, d)
-    min_bits = alloc.admissible_min_bits(stream_kl, allowed, max_stream_kl)
     out, info = alloc.allocate(importance, alpha, beta, d, allowed, bits, group_size, min_bits)
     return out, info | {"stream_scale": kappa.tolist()}
 
@@ -418,6 +435,7 @@ def solve_allocation(
     bits: float,
     importance: str = "fisher",
     allowed: tuple[int, ...] | None = None,
+    stream_response: bool = True,
 ) -> tuple[np.ndarray, dict]:
     """The [L, H_kv, 2] allocation for an average b̄ from an artifact's importance (or proxy),
     distortion and stream response (`solve_from_tensors`); `allowed` must be a subset of the
@@ -438,18 +456,18 @@ def solve_allocation(
     kl = np.asarray(t["stream_kl"], np.float64)[:, [cal_allowed.index(b) for b in allowed]]
     w = np.asarray(t["importance" if importance == "fisher" else "proxy_importance"], np.float64)
     return solve_from_tensors(
-        w, d, kl, allowed, bits, int(hp["group_size"]), float(hp["max_stream_kl"])
+        w, d, kl, allowed, bits, int(hp["group_size"]), float(hp["max_stream_kl"]), stream_response
     )
 
 
 def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
     dims = ModelDims.of(model)
-    kind, allowed = _options(config)
+    kind, allowed, response = _options(config)
     if config.uncalibrated:
-        if kind != "fisher":
+        if kind != "fisher" or not response:
             raise ValueError(
-                "ratequant: options importance applies to the calibrated method; "
-                "the uncalibrated variant is the uniform allocation"
+                "ratequant: options importance and stream_response apply to the calibrated "
+                "method; the uncalibrated variant is the uniform allocation"
             )
         if config.bits is None:
             raise ValueError(
@@ -476,7 +494,7 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
         config, dims, int(hp["group_size"]), int(hp["window"]), int(hp["sinks"])
     )
     target = hp["bits"] if config.bits is None else config.bits
-    bits, _ = solve_allocation(artifact, target, kind, allowed)
+    bits, _ = solve_allocation(artifact, target, kind, allowed, response)
     return kivi.build_caches(bits, g, window, sinks)
 
 
@@ -496,7 +514,7 @@ METHOD = Method(
     summary="RateQuant: Fisher-weighted, water-filled per-head bits for a packed KIVI cache",
     make_caches=make_caches,
     fields=("bits", "group_size", "window", "sinks"),
-    options={"importance": "fisher", "allowed_bits": None},
+    options={"importance": "fisher", "allowed_bits": None, "stream_response": True},
     cache_classes=(kivi.KIVICache,),
     calibrated=True,
     capture_point="k_post,v",

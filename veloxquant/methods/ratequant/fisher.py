@@ -353,6 +353,22 @@ def kivi_error(x: mx.array, stream: int, bits: int, group_size: int, sinks: int)
     return mx.pad(err, pad)
 
 
+def check_response_window(n_tokens: int, chunk: int, window: int, sinks: int, group_size: int):
+    """A clear error unless a window of n_tokens, fed in calls of `chunk`, ever has a call
+    that sees a quantized token (else neither the runtime Fisher pass nor the stream response
+    measures anything)."""
+    starts = range(0, max(n_tokens - 1, 0), chunk)
+    if not any(
+        hi > lo for lo, hi in (quantized_prefix(s, window, sinks, group_size) for s in starts)
+    ):
+        raise ValueError(
+            f"ratequant: a window of {n_tokens} tokens fed in calls of {chunk} never holds a "
+            f"quantized token with window={window}, sinks={sinks}, G={group_size} (the first "
+            f"block is quantized after {sinks + window + group_size} tokens); use longer "
+            "calibration windows (fisher_tokens, response_tokens) or a shorter chunk"
+        )
+
+
 def quantization_kl(
     model: Any,
     tokens: np.ndarray,
@@ -372,6 +388,7 @@ def quantization_kl(
     window); the mean is over the calls that see any quantized token. `reference`: the clean
     (log-probs, caches) of `window_logp`, to share across calls."""
     x = mx.array(np.asarray(tokens, dtype=np.int32))
+    check_response_window(x.shape[0], chunk, window, sinks, group_size)
     kwargs = {"mode": "runtime", "window": window, "sinks": sinks, "group_size": group_size}
     n_layers = len(model.layers)
     n = x.shape[0] - 1
@@ -393,11 +410,6 @@ def quantization_kl(
         if hi > lo:
             total += float((mx.exp(r) * (r - q)).sum().item())
             count += r.shape[0]
-    if count == 0:
-        raise ValueError(
-            f"ratequant: a window of {n + 1} tokens never holds a quantized token with "
-            f"window={window}, sinks={sinks}, G={group_size}; use longer calibration windows"
-        )
     return total / count
 
 
