@@ -60,3 +60,58 @@ def test_committed_outputs_are_what_the_writers_make(model, tmp_path):
     assert ours == theirs
     for path in (committed / "metrics").iterdir():
         assert path.read_text().count(":") == len(ROW_METRIC_KEYS)
+
+
+def import_closure(entry: str) -> set[Path]:
+    """Every veloxquant/pipeline source file that `entry` (a module name) imports, directly or
+    through other project modules, including imports inside functions (read with ast, so a
+    lazily imported module counts: it runs when the stage does)."""
+    import ast
+
+    def path_of(name: str) -> Path | None:
+        base = ROOT.joinpath(*name.split("."))
+        for p in (base.with_suffix(".py"), base / "__init__.py"):
+            if p.is_file():
+                return p
+        return None
+
+    seen: set[Path] = set()
+    todo = [entry]
+    while todo:
+        name = todo.pop()
+        # importing a.b.c runs a/__init__.py and a/b/__init__.py too
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            p = path_of(".".join(parts[:i]))
+            if p is None or p in seen:
+                continue
+            seen.add(p)
+            pkg = ".".join(parts[:i]) if p.name == "__init__.py" else ".".join(parts[: i - 1])
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, ast.Import):
+                    todo += [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    if node.level:  # relative: from the package this file is in
+                        up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                        mod = ".".join(up + ([node.module] if node.module else []))
+                    else:
+                        mod = node.module or ""
+                    todo.append(mod)
+                    todo += [f"{mod}.{a.name}" for a in node.names]  # submodules
+    return {p for p in seen if p.parts[len(ROOT.parts)] in ("veloxquant", "pipeline")}
+
+
+def test_evaluate_stage_depends_on_every_module_it_runs():
+    """evaluate runs every method's cache, so a change to any code it imports must rerun it:
+    its DVC deps (files or folders) cover the whole import closure of pipeline/evaluate.py."""
+    import yaml
+
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["evaluate"]["do"]
+    deps = [ROOT / d for d in stage["deps"] if "${" not in d]
+    closure = import_closure("pipeline.evaluate")
+    assert ROOT / "veloxquant" / "batch.py" in closure  # the closure sees what evaluate uses
+    assert ROOT / "veloxquant" / "kernels.py" in closure  # ... lazily imported ones too
+    missing = sorted(
+        str(p.relative_to(ROOT)) for p in closure if not any(p == d or d in p.parents for d in deps)
+    )
+    assert not missing, f"dvc.yaml evaluate deps miss {missing}"
