@@ -280,6 +280,43 @@ def test_exchanges_repair_a_curve_the_fit_misses(target):
         assert info["min_bits"] == list(min_bits)
 
 
+def test_unreachable_budget_is_refused_and_coarse_steps_exchange():
+    w, alpha, beta, table = synthetic(seed=6, shape=(2, 1, 2))
+    allowed = (1, 2, 3, 4, 8)
+    d = table[..., [0, 1, 2, 3, 7]]
+    a, b, _ = alloc.fit_distortion(allowed, d)
+    # floors of 4 leave only 4 <-> 8 steps: 5.0 - 0.5 = 4.5 code bits x 4 units = 18 is not
+    # a sum of 4s and 8s
+    with pytest.raises(ValueError, match="cannot be met"):
+        alloc.allocate(w, a, b, d, allowed, 5.0, 64, min_bits=(4, 4))
+    # 4 <-> 8 exchanges: with 24 code bits over 4 units at floor 4, two units get 8; the
+    # exact optimum picks which, and the allocation finds it
+    bits, info = alloc.allocate(w, a, b, d, allowed, 6.5, 64, min_bits=(4, 4))
+    lowest = np.full(w.shape, allowed.index(4))
+    assert bits.sum() == 24 and set(np.unique(bits)) == {4, 8}
+    assert info["objective"] == pytest.approx(exact_optimum(w, d, allowed, 24, lowest))
+
+
+def test_kivi_error_is_the_caches_quantization():
+    """`kivi_error` quantizes exactly the blocks a KIVICache flushes, with its codes: for
+    fp16-representable K/V (the cache rounds its window to fp16 before flushing) the cache's
+    dequantized store equals x + kivi_error(x) at those positions, bit for bit."""
+    rng = np.random.default_rng(2)
+    x = mx.array(rng.normal(size=(1, 2, 150, 16)).astype(np.float16)).astype(mx.float32)
+    cache = kivi.KIVICache(np.array([[2, 3], [3, 2]]), group_size=16, window=8, sinks=3)
+    for start in range(0, 150, 13):  # ragged calls, as prefill and decode feed them
+        cache.update_and_fetch(x[:, :, start : start + 13], x[:, :, start : start + 13] * 0.5)
+    n = cache.n_quantized
+    assert n == (150 - 3 - 8) // 16 * 16
+    dk, dv = cache.dequantized()
+    for stream, got, src in ((0, dk, x), (1, dv, x * 0.5)):
+        for h, bits in enumerate(cache.head_bits[:, stream]):
+            err = fisher.kivi_error(src[:, h : h + 1], stream, int(bits), 16, 3)
+            want = (src[:, h : h + 1] + err)[:, :, 3 : 3 + n]
+            np.testing.assert_array_equal(np.array(got[:, h : h + 1]), np.array(want))
+            assert float(mx.abs(err[:, :, :3]).max()) == 0.0  # sinks stay exact
+
+
 def test_stream_scale_and_admissible_widths():
     w = np.array([[[1.0, 2.0]]])  # [L=1, H=1, 2]
     d = np.array([[[[8.0, 2.0, 1.0], [4.0, 1.0, 0.5]]]])  # [1, 1, 2, 3 widths]

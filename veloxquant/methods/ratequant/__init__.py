@@ -18,7 +18,8 @@ capture (k_post, v):
    from a few points would be noise), with R² per unit.
 3. stream response `stream_kl` [2, n_allowed] (fisher.py): the KL per token when only the
    keys, or only the values, carry the runtime's KIVI error at each allowed width, on
-   `response_tokens` of the held-out calibration window. It rescales each stream's curves
+   `response_tokens` of the last calibration window (held out of the Fisher average when
+   validate_units > 0 and there are several windows). It rescales each stream's curves
    by κ_s(b) = measured / Σ w·d(b) (the second-order model underestimates 1-2 bit errors
    and weighs keys against values only approximately), and a width costing a stream more
    than `max_stream_kl` nats/token is not admissible for it (on SmolLM2: keys at 1 bit,
@@ -30,20 +31,23 @@ capture (k_post, v):
    as `bits` [L, H_kv, 2] int8 (for the heatmap and inspection).
 
 Runtime (`make_caches`): `KVCacheConfig(method="ratequant", bits=b̄, artifact_dir=DIR)` solves
-the allocation for that b̄ at load time from the stored importance and distortion (a few ms),
-so one artifact serves every budget; bits=None uses the calibration's `bits`. Each layer gets
-a `KIVICache` with its [H_kv, 2] widths. Resident bits per element are b̄ plus the fp16 window
-and sinks (read `nbytes`).
+the allocation for that b̄ at load time from the stored importance, distortion and stream
+response (a few ms; α and β are refitted to the rescaled curves, the stored ones are the raw
+fit's, kept for the R² diagnostics), so one artifact serves every budget; bits=None uses the
+calibration's `bits`. Each layer gets a `KIVICache` with its [H_kv, 2] widths. Resident bits
+per element are b̄ plus the fp16 window and sinks (read `nbytes`).
 
 Knobs: KVCacheConfig.bits (b̄, counting scale + zero), group_size (must equal the artifact's
 G, default 64), window (default 32), sinks (default 4); window and sinks may differ from the
 calibration's, but the importance assumed the calibration's. options:
-- "importance": "fisher" (default) or "proxy": the E‖x‖² allocation (ablation row);
+- "importance": "fisher" (default) or "proxy": the E‖x‖² allocation (ablation row; it keeps
+  the measured distortion and stream response, so only the within-stream ranking changes);
 - "stream_response": True (default); False drops the measured response (κ and the admissible
   widths) and allocates on the plain second-order Σ w·d (ablation row);
 - "allowed_bits": widths to allocate from, a subset of the calibration's `allowed_bits`
   (default 1/2/3/4/8; the stream response is measured only there). The lowest b̄ is set by
-  the admissible widths: keys at >= 2 and values at >= 1 bit give b̄ >= 1.5 + 32/G = 2.0.
+  the admissible widths; on SmolLM2 the response admits keys from 2 bits and values from 1,
+  so b̄ >= 1.5 + 32/G = 2.0.
 
 Uncalibrated reference (`uncalibrated=True`, no bundle): uniform KIVI at the same b̄ and G;
 a b̄ between two allowed widths is a fixed interleaved split between them (alloc.py,
@@ -299,7 +303,8 @@ def calibrate(
         }
 
     t0 = time.perf_counter()
-    # The last calibration window: held out of the Fisher average when validating.
+    # The last calibration window: held out of the Fisher average when validating (and there
+    # is more than one window).
     stream_kl = fisher.stream_response(
         model,
         windows[-1, : hp["response_tokens"]],
@@ -426,6 +431,12 @@ def solve_from_tensors(
         kappa, min_bits = np.ones(np.shape(stream_kl)), None
     d = distortion * kappa
     alpha, beta, _ = alloc.fit_distortion(allowed, d)
+    if not np.all(np.isfinite(beta) & (beta > 1)):
+        raise ValueError(
+            f"ratequant: the rescaled distortion does not fall with bits (fitted beta "
+            f"{np.round(beta, 3).tolist()}); the stream response or the distortion table is "
+            "broken, recalibrate"
+        )
     out, info = alloc.allocate(importance, alpha, beta, d, allowed, bits, group_size, min_bits)
     return out, info | {"stream_scale": kappa.tolist()}
 
@@ -455,6 +466,11 @@ def solve_allocation(
     d = table[..., [MEASURED_BITS.index(b) for b in allowed]]
     kl = np.asarray(t["stream_kl"], np.float64)[:, [cal_allowed.index(b) for b in allowed]]
     w = np.asarray(t["importance" if importance == "fisher" else "proxy_importance"], np.float64)
+    max_kl = hp.get("max_stream_kl")
+    if isinstance(max_kl, bool) or not isinstance(max_kl, (int, float)) or not max_kl > 0:
+        raise ValueError(
+            f"ratequant artifact: max_stream_kl must be a number > 0, got {max_kl!r}; recalibrate"
+        )
     return solve_from_tensors(
         w, d, kl, allowed, bits, int(hp["group_size"]), float(hp["max_stream_kl"]), stream_response
     )

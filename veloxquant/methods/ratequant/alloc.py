@@ -22,20 +22,23 @@ b_min, b_max) with bisection on μ, snap to the nearest allowed width, then gree
 rebalancing by marginal gain Δ(w·d)/Δbits on the *measured* d until the total code bits equal
 the budget: while over budget, lower the unit whose next-lower width costs least per bit
 saved; while under, raise the unit whose next-higher width gains most per bit spent. Moves
-that fit the remaining gap go first; a unit moved one way never moves back. Last, exchanges
+that fit the remaining gap go first; a unit moved one way never moves back. If no sequence of
+such moves reaches the budget (widths with steps larger than the gap, e.g. every unit at a
+floor of 4 with 8 above), the allocation is refused with the reachable average. Last, exchanges
 at constant total: while raising one unit and lowering another by the same bits lowers the
 objective, the best such pair is made (the snap of the fitted curve can misplace units
 where the measured curve bends, e.g. at 1 bit). The budget is
-exact whenever (b̄ − 32/G)·N is an integer for N = L·H·2 units, otherwise the largest total
-below it; target and achieved b̄ are both reported.
+exact whenever (b̄ − 32/G)·N is an integer for N = L·H·2 units (and reachable), otherwise the
+largest total below it; target and achieved b̄ are both reported.
 
 Stream response (`stream_scale`, `admissible_min_bits`): w·d is the second-order loss of
 small errors. The calibration also measures the KL of quantizing one whole stream at each
 allowed width (fisher.py, `stream_response`). κ_s(b) = measured KL / Σ_units w·d(b) says how
-far the second-order model is off for stream s at width b: measured on SmolLM2, about 1.6×
-more for values than for keys even at 8 bits, and 2-5× more at 1-2 bits than at 4. The
+far the second-order model is off for stream s at width b: measured on SmolLM2, about 1.7×
+more for values than for keys even at 8 bits, and 1.8-3.3× (keys) / 1.2-1.6× (values) more
+at 1-2 bits than at 4. The
 allocation minimises Σ w·κ_s(b)·d(b) (a width-dependent rescale of the measured curves per
-stream, so the within-stream ranking stays Fisher's). A width whose stream alone costs more
+stream, so the within-stream ranking stays the importance's). A width whose stream alone costs more
 than `max_stream_kl` nats per token is not admissible for that stream: there the model is
 broken, not perturbed, and no per-unit importance from small perturbations can rank heads
 (1-bit keys: a head that ignores its quantized past at small errors attends to garbage at
@@ -365,6 +368,13 @@ def allocate(
         level[pick] = nxt[pick]
         locked[pick, int(not up)] = True
         moves += 1
+    total = int(grid[level].sum())
+    if total > budget:
+        raise ValueError(
+            f"ratequant: bits={target_bits} cannot be met with widths {list(allowed)} and "
+            f"per-stream floors {list(min_bits)}: the closest allocation found averages "
+            f"{total / n + ovh:g}; ask for that, or allow widths with smaller steps"
+        )
     exchanges = _exchange(level, lowest, grid, cost)
     bits = grid[level].astype(np.int64).reshape(w.shape)
     info = {

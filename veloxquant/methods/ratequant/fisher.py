@@ -28,11 +28,15 @@ quantizer's error (std ∝ r, overall σ = sigma · the head's RMS): ΔKL(clean 
 ≈ ½ w for small σ, so its rank correlation with w checks the estimator.
 
 Stream response (`quantization_kl`, `stream_response`): forward only, the KL the runtime's
-actual KIVI error costs when one stream (every layer and head) is quantized at width b and the
-other is exact, fed like the gradient pass. The second-order importance w·d is the loss of
-*small* errors; KIVI at 1-2 bits is not small (min/max codes move a key's attention logits
-by O(1)), and the response tells the allocation by how much each stream's loss departs from
-w·d at each width (alloc.py, `stream_scale`) and at which widths a stream breaks the model.
+KIVI error costs when one stream (every layer and head) is quantized at width b and the other
+is exact, fed like the gradient pass. The error is that of quantizing the clean K/V, added
+where the runtime holds tokens quantized: the positions and codes are the runtime's, but a
+layer's K/V at runtime already carry the upstream layers' errors, so this is the first-order
+picture of the same thing (a test matches it to the packed cache within 10%). The
+second-order importance w·d is the loss of *small* errors; KIVI at 1-2 bits is not small
+(min/max codes move a key's attention logits by O(1)), and the response tells the allocation
+by how much each stream's loss departs from w·d at each width (alloc.py, `stream_scale`) and
+at which widths a stream breaks the model.
 
 Proxy (`proxy_importance`): E‖x‖² per (layer, head, stream), the cheap, weaker importance
 (upstream's, per layer from keys only) kept for the ablation.
@@ -105,7 +109,9 @@ class PerturbedKVCache(KVCache):
 def _add_span(x: mx.array, delta: mx.array | None, lo: int, hi: int) -> mx.array:
     if delta is None:
         return x
-    return mx.concatenate([x[:, :, :lo], x[:, :, lo:hi] + delta[:, :, lo:hi], x[:, :, hi:]], axis=2)
+    # in the cache's dtype: a float32 δ would promote a bf16 model's K/V and every layer after
+    span = x[:, :, lo:hi] + delta[:, :, lo:hi].astype(x.dtype)
+    return mx.concatenate([x[:, :, :lo], span, x[:, :, hi:]], axis=2)
 
 
 def _kv_shape(model: Any, n_tokens: int) -> tuple[int, int, int, int]:
@@ -339,9 +345,9 @@ def noise_validation(
 
 
 def kivi_error(x: mx.array, stream: int, bits: int, group_size: int, sinks: int) -> mx.array:
-    """The runtime quantizer's error Q_b(x) − x on x [B, H, T, D] (stream 0 keys, 1 values):
-    zero at the sinks and after the last whole key block from position `sinks`, which are the
-    positions a KIVICache ever quantizes (it flushes whole blocks of G after the sinks)."""
+    """The runtime quantizer's error Q_b(x) − x on x [B, H, T, D] (stream 0 keys, 1 values) at
+    the positions a KIVICache quantizes: whole blocks of G from position `sinks` (it flushes
+    in such blocks); zero at the sinks and after the last whole block."""
     t = x.shape[2]
     lo = min(sinks, t)
     hi = lo + (t - lo) // group_size * group_size
@@ -382,10 +388,11 @@ def quantization_kl(
     reference: tuple[list, list] | None = None,
 ) -> float:
     """Mean KL(clean ‖ quantized) per token of one window tokens [S] when every layer's keys
-    (values) carry the runtime KIVI error at key_bits (value_bits); None leaves a stream exact.
-    Fed in calls of `chunk` tokens in runtime mode, so each call sees the error exactly where
-    a KIVICache with this layout holds tokens quantized (up to the fp16 rounding of its
-    window); the mean is over the calls that see any quantized token. `reference`: the clean
+    (values) carry the KIVI error of their clean values at key_bits (value_bits); None leaves
+    a stream exact. Fed in calls of `chunk` tokens in runtime mode, so each call sees the
+    error exactly where a KIVICache with this layout holds tokens quantized (see the module
+    docstring for what is approximate); the mean is over the calls that see any quantized
+    token. `reference`: the clean
     (log-probs, caches) of `window_logp`, to share across calls."""
     x = mx.array(np.asarray(tokens, dtype=np.int32))
     check_response_window(x.shape[0], chunk, window, sinks, group_size)
