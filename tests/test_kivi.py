@@ -89,8 +89,10 @@ def test_packing_is_the_mx_quantize_layout(bits):
 
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_fused_dequantize_matches_pure_path(group_size, monkeypatch):
-    hb = np.array([[1, 8], [3, 2], [7, 4]])  # 7 bits always takes the pure path
+    hb = np.array([[1, 8], [3, 2], [7, 4]])  # 1 and 7 bits always take the pure path
     assert kivi.fused_dequantize_ok(64, 3, group_size) and not kivi.fused_dequantize_ok(64, 7, 32)
+    # MLX's CUDA backend decodes 1 bit wrongly (benchmarks/results/mlx-cuda-dequantize-widths.txt)
+    assert not kivi.fused_dequantize_ok(64, 1, group_size)
     calls = []
     real = mx.dequantize
     monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(k["bits"]) or real(*a, **k))
@@ -99,8 +101,8 @@ def test_fused_dequantize_matches_pure_path(group_size, monkeypatch):
         monkeypatch.setattr(kivi, "USE_MX_DEQUANTIZE", fused)
         cache = KIVICache(hb, group_size=group_size, window=32, sinks=4)
         _, _, outs[fused] = feed(cache, [300, 1])
-        # the fused path really ran, for every width but 7 (K and V buckets, 2 fetches)
-        assert sorted(set(calls)) == ([1, 2, 3, 4, 8] if fused else [])
+        # the fused path really ran, for every width but 1 and 7 (K and V buckets, 2 fetches)
+        assert sorted(set(calls)) == ([2, 3, 4, 8] if fused else [])
         calls.clear()
     for a, b in zip(outs[True], outs[False], strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-6)

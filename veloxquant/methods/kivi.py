@@ -16,7 +16,8 @@ Quantizer (`quantize_keys`, `quantize_values`; float32 math, fp16 scale and zero
   exactly b bits per element for the usual head dims. Value rows are a token's D channels;
   key rows are a block's D·G codes channel-major, so every group is G consecutive codes.
 - Dequantization (`dequantize_rows`) is one fused `mx.dequantize` call per bucket when it
-  applies (G in 32/64/128, widths other than 7; float32 scales so the arithmetic is the same),
+  applies (G in 32/64/128, widths other than 1 and 7; float32 scales so the arithmetic is the
+  same),
   else a pure-MLX unpack (`unpack_codes`), which is the reference it is tested against;
   `USE_MX_DEQUANTIZE = False` forces the pure path. Neither uses `mx.quantized_matmul`.
 
@@ -36,8 +37,10 @@ Runtime (`KIVICache`, method "kivi"; one cache per layer):
   a chunk's attention over itself is full precision, as in any prefill; tokens of earlier calls
   are seen quantized once flushed). Nothing dequantized is kept. It never calls
   `mx.quantized_matmul`, so it does not inherit that op's CUDA shape gap (which breaks
-  `QuantizedKVCache` prefill there). Not yet run on the CUDA backend: if `mx.dequantize` is
-  missing there, `USE_MX_DEQUANTIZE = False` leaves only elementwise ops and reductions.
+  `QuantizedKVCache` prefill there). Run on MLX 0.32.4's CUDA backend (H200,
+  `benchmarks/bench_ratequant.py check` and `decode`): fused and pure paths agree there once
+  1-bit buckets take the pure path; `USE_MX_DEQUANTIZE = False` leaves only elementwise ops
+  and reductions (10x slower on that GPU).
 - `nbytes`: packed codes, fp16 scales and zeros, the fp16 window and sinks; nothing else.
   Per stored token and head: D·b/8 bytes of codes plus 4·D/G bytes of scale + zero, i.e.
   b + 32/G bits per element (G = 32: b + 1); `resident_bytes` is the formula.
@@ -72,8 +75,11 @@ from veloxquant.methods.base import (
 )
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
-# mx.dequantize (affine) reads these widths; 7 bits, or odd group sizes, take the pure-MLX path.
-MX_DEQUANTIZE_BITS = (1, 2, 3, 4, 5, 6, 8)
+# mx.dequantize (affine) reads these widths; 1 and 7 bits, or odd group sizes, take the pure-MLX
+# path. 1 bit is outside MLX's documented widths, and MLX 0.32.4's CUDA backend decodes it
+# wrongly (errors of the order of the scale; benchmarks/results/mlx-cuda-dequantize-widths.txt)
+# while every other width matches the pure path exactly.
+MX_DEQUANTIZE_BITS = (2, 3, 4, 5, 6, 8)
 # Set False to force the pure-MLX unpacking everywhere (the reference the fused path is tested
 # against; also the way out on a backend without mx.dequantize).
 USE_MX_DEQUANTIZE = True
@@ -225,7 +231,8 @@ def unpack_codes(words: mx.array, bits: int, n_codes: int) -> mx.array:
 
 def fused_dequantize_ok(n_codes: int, bits: int, group_size: int) -> bool:
     """Whether `mx.dequantize` (one fused op) can read rows of n_codes codes: its affine mode
-    takes group sizes 32/64/128 and widths 1-6 and 8, with no row padding."""
+    takes group sizes 32/64/128 and widths 2-6 and 8 (see MX_DEQUANTIZE_BITS), with no row
+    padding."""
     return (
         USE_MX_DEQUANTIZE
         and group_size in (32, 64, 128)
