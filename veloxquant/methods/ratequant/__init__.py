@@ -109,6 +109,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def check_max_stream_kl(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"ratequant: max_stream_kl must be a number > 0, got {value!r}")
+    return float(value)
+
+
 def check_hyperparameters(hp: dict[str, Any]) -> None:
     kivi.check_group_size(hp["group_size"])
     for name in ("window", "sinks"):
@@ -136,9 +142,7 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
     sigma = hp["noise_sigma"]
     if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not 0 < sigma < 1:
         raise ValueError(f"ratequant: noise_sigma must be in (0, 1), got {sigma!r}")
-    max_kl = hp["max_stream_kl"]
-    if isinstance(max_kl, bool) or not isinstance(max_kl, numbers.Real) or not max_kl > 0:
-        raise ValueError(f"ratequant: max_stream_kl must be a number > 0, got {max_kl!r}")
+    check_max_stream_kl(hp["max_stream_kl"])
     if not _is_int(hp["seed"]):
         raise ValueError(f"ratequant: seed must be an integer, got {hp['seed']!r}")
 
@@ -466,13 +470,9 @@ def solve_allocation(
     d = table[..., [MEASURED_BITS.index(b) for b in allowed]]
     kl = np.asarray(t["stream_kl"], np.float64)[:, [cal_allowed.index(b) for b in allowed]]
     w = np.asarray(t["importance" if importance == "fisher" else "proxy_importance"], np.float64)
-    max_kl = hp.get("max_stream_kl")
-    if isinstance(max_kl, bool) or not isinstance(max_kl, (int, float)) or not max_kl > 0:
-        raise ValueError(
-            f"ratequant artifact: max_stream_kl must be a number > 0, got {max_kl!r}; recalibrate"
-        )
+    max_kl = check_max_stream_kl(hp.get("max_stream_kl"))
     return solve_from_tensors(
-        w, d, kl, allowed, bits, int(hp["group_size"]), float(hp["max_stream_kl"]), stream_response
+        w, d, kl, allowed, bits, int(hp["group_size"]), max_kl, stream_response
     )
 
 

@@ -338,8 +338,8 @@ def allocate(
     cont, ln_mu = water_fill(w, alpha, beta, mean_code, floor_bits, allowed[-1])
 
     lowest = np.searchsorted(grid, floor_bits.reshape(-1))  # per unit: lowest level allowed
-    level = np.abs(cont[..., None] - grid).argmin(-1).reshape(-1)  # snap: nearest width
-    level = np.maximum(level, lowest)
+    # snap to the nearest width (the water-fill holds every unit at its floor or above)
+    level = np.abs(cont[..., None] - grid).argmin(-1).reshape(-1)
     wf, dt = w.reshape(-1), d_table.reshape(n, len(allowed))
     cost = wf[:, None] * dt  # w·d at every width
     # A unit moved one way is never moved back, so the loop ends (each unit moves at most
