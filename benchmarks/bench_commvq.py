@@ -9,8 +9,9 @@
    tokens (filled through `update_and_fetch` with random keys/values; timing does not depend on
    their values or on θ, so uncalibrated caches of the calibrated shape are used). Arms
    alternate; ratios per pair.
-4. `--bits`: resident bits per element vs context length for R = 2- and 1-bit keys, θ per head
-   or per layer, windows 48 and 16 (nothing else runs).
+4. `--bits`: resident bits per element vs context length for 2- and 1-bit keys, the default
+   shared-atom form (per head, per layer) and the paper's free θ per stage, two windows each
+   (nothing else runs).
 
 Timings are interleaved over `--repeats`, reported as median [min, max].
 
@@ -80,36 +81,42 @@ def bench_em(args, model) -> None:
         print(f"  full calibration (keys, values, diagnostics): {time.perf_counter() - t0:.0f} s")
 
 
+# (label, options) of the resident-bits table: the default form and the paper's.
+BITS_LAYOUTS = (
+    ("shared atoms, int8, per head; values per layer (default)", {}),
+    ("shared atoms, int8, per layer", {"share": "layer"}),
+    (
+        "paper: free fp16 theta per stage and head; values per head",
+        {"atoms": "stage", "atom_bits": 16, "value_share": "head"},
+    ),
+)
+
+
 def bench_bits(model) -> None:
     """Resident bits per K/V element of one layer's cache vs context length, from `nbytes` of
-    caches filled with random keys (θ counted; the value codebooks are d4b8)."""
-    from veloxquant.methods.commvq.cache import CommVQCache
-
+    the uncalibrated caches `make_caches` builds for each layout (same shapes and dtypes as the
+    calibrated ones), filled with random keys."""
     a = model.args
     h, d = a.num_key_value_heads, a.head_dim
-    for key_bits in (2, 1):
-        r = tr.resolve_stages(d, {**tr.DEFAULTS, "key_bits": key_bits})
-        for share in ("head", "layer"):
-            for window in (48, 16):
+    for key_bits, windows in ((2, (26, 48)), (1, (8, 16))):
+        for label, options in BITS_LAYOUTS:
+            for window in windows:
                 cells = []
                 for t in (1024, 4096, 32768):
-                    theta = cb.gaussian_theta(
-                        mx.random.key(0), h if share == "head" else 1, r, d // 2
-                    )
-                    c = CommVQCache(
-                        theta,
-                        mx.zeros((h, 256, 4)),
-                        mx.zeros((h, d)),
-                        rope_base=1e4,
-                        rope_traditional=True,
-                        value_bits=8,
-                        value_sub_dim=4,
+                    cfg = KVCacheConfig(
+                        method="commvq",
+                        uncalibrated=True,
                         window=window,
+                        options={"key_bits": key_bits, **options},
                     )
+                    c = make_caches(model, cfg, None)[0]
                     x = mx.random.normal((1, h, t, d))
                     c.update_and_fetch(x, x)
                     cells.append(f"T={t}: {8 * c.nbytes / (2 * h * d * t):.2f}")
-                print(f"R={r} share={share} window={window}: " + ", ".join(cells))
+                print(
+                    f"{key_bits}-bit keys (R={c.stages}), {label}, window {window}: "
+                    + ", ".join(cells)
+                )
 
 
 def filled(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 512) -> list:

@@ -4,8 +4,8 @@ Calibrate (writes OUT/NAME/tensors.safetensors + info.json with hyperparameters,
 wall time):
 
     python benchmarks/eval_commvq.py calibrate r11c --out /tmp/cvq
-    python benchmarks/eval_commvq.py calibrate r5c --out /tmp/cvq key_bits=1
-    python benchmarks/eval_commvq.py calibrate r11n --out /tmp/cvq center=False
+    python benchmarks/eval_commvq.py calibrate r5c key_bits=1 --out /tmp/cvq
+    python benchmarks/eval_commvq.py calibrate r11n center=False --out /tmp/cvq
 
 Evaluate rows (evaluate_rows, prefill 512, chunk 64) on the first --windows held-out windows:
 
@@ -32,6 +32,7 @@ import numpy as np
 
 from veloxquant.methods.base import Artifact, CalibrationInputs, ModelDims
 from veloxquant.methods.commvq import METHOD, make_caches, pq_baseline
+from veloxquant.methods.commvq.cache import DEFAULT_SINKS, DEFAULT_WINDOW
 
 ARTIFACTS = Path("artifacts/smollm2-135m")
 
@@ -134,8 +135,8 @@ def _row(args: argparse.Namespace, spec: str) -> dict:
                 key_sub_dim=sub,
                 value_bits=hp["value_bits"],
                 value_sub_dim=hp["value_sub_dim"],
-                window=o.get("window", 48),
-                sinks=o.get("sinks", 4),
+                window=o.get("window", DEFAULT_WINDOW),
+                sinks=o.get("sinks", DEFAULT_SINKS),
             ),
         }
     if parts[0] == "vecinfer":

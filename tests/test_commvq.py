@@ -172,6 +172,120 @@ def test_m_step_is_the_weighted_least_squares_fit():
         np.testing.assert_allclose(np.array(theta[0, j, :, 1]), sol[64:], atol=2e-4)
 
 
+@pytest.mark.parametrize("traditional", LAYOUTS)
+def test_shared_atoms_with_gains_still_commute_with_rope(traditional):
+    """θ_r = g_r·atoms is a commutative codebook: rotating the gains by exp(i·n·θ_j) gives
+    RoPE_n of the decoded key, so the cache may apply RoPE at fetch as for a free θ."""
+    h, r, p, n = 2, 3, 16, 12
+    atoms = random_theta(20, 1, 1, p)  # one atom set for both heads
+    gains = mx.random.normal((h, r, p, 2), key=mx.random.key(21))
+    theta = cb.apply_gains(atoms, gains)
+    assert theta.shape == (h, r, p, 64, 2)
+    # stage r of head h is the atoms times one complex number per pair
+    want = cb.complex_mul(gains[1, 2][:, None], atoms[0, 0])
+    np.testing.assert_allclose(np.array(theta[1, 2]), np.array(want), atol=1e-6)
+    codes = random_codes(22, (h, n, r))
+    positions = mx.array(np.random.default_rng(23).integers(0, 50_000, n))
+    roped = cb.rope_at(
+        cb.from_pairs(decode(theta, codes), traditional),
+        positions,
+        base=1e4,
+        traditional=traditional,
+    )
+    angles = positions.astype(mx.float32)[:, None] * cb.rope_frequencies(2 * p, 1e4)
+    for t in range(n):
+        turned = cb.rotate_pairs(gains, mx.broadcast_to(angles[t], (h, r, p)))
+        one = cb.from_pairs(decode(cb.apply_gains(atoms, turned), codes[:, t : t + 1]), traditional)
+        np.testing.assert_allclose(np.array(one[:, 0]), np.array(roped[:, t]), atol=1e-4)
+    with pytest.raises(ValueError, match="atoms"):
+        cb.apply_gains(random_theta(20, 1, 2, p), gains)  # two atom slots: not a shared set
+
+
+def _complex_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    return np.linalg.lstsq(design, target, rcond=None)[0]
+
+
+def test_gain_and_atom_solves_are_the_least_squares_fits():
+    """solve_gains and solve_atoms equal numpy's complex least squares on the explicit design
+    matrices (one pair, fixed codes), with a pool of two heads sharing the atoms."""
+    rng = np.random.default_rng(24)
+    h, n, r, p = 2, 300, 3, 2
+    atoms = random_theta(25, 1, 1, p)  # [1, 1, P, 64, 2]
+    gains = mx.array(rng.standard_normal((h, r, p, 2)), mx.float32)
+    codes = random_codes(26, (h, n, r))
+    x = mx.array(rng.standard_normal((h, n, p, 2)), mx.float32)
+    a, b = (np.array(c) for c in cb.split_codes(codes))
+    xc = np.array(x[..., 0]) + 1j * np.array(x[..., 1])  # [H, N, P]
+    t = np.array(atoms[0, 0, ..., 0]) + 1j * np.array(atoms[0, 0, ..., 1])  # [P, 64]
+    gc = np.array(gains[..., 0]) + 1j * np.array(gains[..., 1])  # [H, R, P]
+    unit = mx.repeat(atoms[:, 0], h, axis=0)
+    got_g = tr.solve_gains(x, codes, unit, gains, ridge=1e-9)
+    got_t = tr.solve_atoms(x, codes, gains, h, atoms[:, 0], ridge=1e-9)
+    for j in range(p):
+        for hh in range(h):
+            z = t[j][a[hh]] + 1j * t[j][b[hh]]  # [N, R] unit-gain codewords
+            want = _complex_lstsq(z, xc[hh, :, j])
+            got = np.array(got_g[hh, :, j, 0]) + 1j * np.array(got_g[hh, :, j, 1])
+            np.testing.assert_allclose(got, want, atol=1e-3)
+        rows = []
+        for hh in range(h):
+            design = np.zeros((n, 64), complex)
+            for rr in range(r):
+                np.add.at(design, (np.arange(n), a[hh, :, rr]), gc[hh, rr, j])
+                np.add.at(design, (np.arange(n), b[hh, :, rr]), 1j * gc[hh, rr, j])
+            rows.append(design)
+        want = _complex_lstsq(np.concatenate(rows), xc[:, :, j].reshape(-1))
+        got = np.array(got_t[0, j, :, 0]) + 1j * np.array(got_t[0, j, :, 1])
+        np.testing.assert_allclose(got, want, atol=1e-3)
+
+
+def test_shared_training_improves_on_its_start_and_is_deterministic():
+    k = structured_keys(27, 2, 700, 16)
+    train, held = k[:, :600], k[:, 600:]
+    hp = METHOD.hyperparameters({"stages": 3, "hard_iters": 2, "rounds": 2})
+    atoms_a, gains_a, mu, diag = tr.train_keys_shared(train, True, hp, pool=2, progress=False)
+    atoms_b, gains_b, _, _ = tr.train_keys_shared(train, True, hp, pool=2, progress=False)
+    assert np.array_equal(np.array(atoms_a), np.array(atoms_b))
+    assert np.array_equal(np.array(gains_a), np.array(gains_b))
+    assert atoms_a.shape == (1, 1, 8, 64, 2) and gains_a.shape == (2, 3, 8, 2)
+    hist = diag["round_history"]
+    assert len(hist) == 3 and hist[-1] < hist[0], hist  # the rounds lower the greedy error
+    # every stage helps on held-out keys, and the result beats the per-stage gains alone
+    recs = tr.reconstruct_keys(held, cb.apply_gains(atoms_a, gains_a), mu, True)
+    errs = [float(((held - rec) ** 2).sum().item()) for rec in recs]
+    assert errs[2] < errs[1] < errs[0], errs
+    no_rounds, no_gains, _, _ = tr.train_keys_shared(
+        train, True, {**hp, "rounds": 0}, pool=2, progress=False
+    )
+    base = tr.reconstruct_keys(held, cb.apply_gains(no_rounds, no_gains), mu, True)[-1]
+    assert errs[-1] < float(((held - base) ** 2).sum().item())
+
+
+def test_8bit_atoms_round_trip_and_are_what_the_cache_decodes():
+    theta = random_theta(28, 2, 3, 8) * 5
+    q, scale = cb.quantize_atoms(theta)
+    assert q.dtype == mx.int8 and scale.shape == (2, 3, 8, 1, 1)
+    back = cb.dequantize_atoms(q, scale)
+    step = np.array(scale.astype(mx.float32))
+    assert np.all(np.abs(np.array(back - theta)) <= 0.5 * step + 1e-7)
+    q2, scale2 = cb.quantize_atoms(back)  # the artifact ships `back`: the cache's rounding
+    assert np.array_equal(np.array(q2), np.array(q))  # of it changes nothing
+    assert np.array_equal(np.array(scale2), np.array(scale))
+    c8 = small_cache(True)
+    c8.theta, c8.theta_scale = cb.quantize_atoms(c8.theta.astype(mx.float32))
+    c16 = small_cache(True)
+    c16.theta = cb.dequantize_atoms(c8.theta, c8.theta_scale).astype(mx.float16)
+    _, _, out8 = feed(c8, [9, 2])
+    _, _, out16 = feed(c16, [9, 2])
+    np.testing.assert_array_equal(np.array(c8.key_codes), np.array(c16.key_codes))
+    # same codes; the decoded keys differ only by the fp16 rounding of the dequantized atoms
+    np.testing.assert_allclose(np.array(out8[-1][0]), np.array(out16[-1][0]), atol=5e-3)
+    assert (
+        c16.theta.nbytes - c8.theta.nbytes - c8.theta_scale.nbytes
+        == c8.theta.size - 2 * c8.theta_scale.size
+    )
+
+
 def test_code_packing_round_trip():
     for r in (1, 2, 5, 11, 21):
         codes = random_codes(r, (2, 3, 7, r))
@@ -342,6 +456,10 @@ def tiny_llama(scaling=None) -> nn.Module:
         rope_scaling=scaling,
     )
     model = llama.Model(args)
+    for layer in model.layers:  # peaked attention, as in a trained model, so key errors matter
+        attn = layer.self_attn
+        attn.q_proj.weight = attn.q_proj.weight * 3.0
+        attn.k_proj.weight = attn.k_proj.weight * 3.0
     mx.eval(model.parameters())
     return model
 
@@ -452,7 +570,7 @@ def test_tiny_models_calibrated_beats_uncalibrated_and_plain_pq(tiny_bundle):
         ),
         tokens,
     )
-    assert kl_cal < 0.05, kl_cal
+    assert kl_cal < 0.08, kl_cal
     assert kl_cal < 0.5 * kl_unc, (kl_cal, kl_unc)
     assert kl_cal < kl_pq, (kl_cal, kl_pq)
     assert caches[0].key_codes.shape[2] == 144 - 2 - 8
@@ -551,7 +669,8 @@ def test_artifact_layout_and_stage_mismatches_are_refused(tiny_bundle):
         check_artifact(wrong, dims)
     with pytest.raises(ValueError, match="RoPE pairs"):
         make_caches(model, KVCacheConfig(method="commvq"), wrong)
-    r = artifact.tensors["key_theta"].shape[2]
+    r = artifact.tensors["key_gain"].shape[2]  # the default: shared atoms, per-stage gains
+    assert artifact.tensors["key_theta"].shape[2] == 1
     with pytest.raises(ValueError, match=f"R={r}"):
         make_caches(model, KVCacheConfig(method="commvq", options={"stages": r + 1}), artifact)
     with pytest.raises(ValueError, match=f"R={r}"):
@@ -562,6 +681,21 @@ def test_artifact_layout_and_stage_mismatches_are_refused(tiny_bundle):
                 "commvq",
                 artifact.tensors,
                 {**artifact.hyperparameters, "stages": r + 2},
+                artifact.diagnostics,
+            ),
+            dims,
+        )
+    gainless = {k: v for k, v in artifact.tensors.items() if k != "key_gain"}
+    with pytest.raises(ValueError, match="key_gain"):
+        check_artifact(
+            Artifact("commvq", gainless, artifact.hyperparameters, artifact.diagnostics), dims
+        )
+    with pytest.raises(ValueError, match="key_gain"):
+        check_artifact(
+            Artifact(
+                "commvq",
+                artifact.tensors,
+                {**artifact.hyperparameters, "atoms": "stage"},
                 artifact.diagnostics,
             ),
             dims,
@@ -581,6 +715,9 @@ def test_bad_hyperparameters():
         {"temperature_end": 0},
         {"heldout_fraction": 1.0},
         {"pair_layout": "odd"},
+        {"atoms": "tied"},
+        {"rounds": -1},
+        {"gain_iters": 0},
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             METHOD.hyperparameters(bad)
@@ -606,9 +743,13 @@ def test_real_model_rope_and_uncalibrated_cache(smollm2, eval_text):
     logits = model(ids, cache=caches)
     assert bool(mx.all(mx.isfinite(logits)).item())
     c = caches[0]
-    assert c.stages == 5 and c.key_codes.shape == (1, 3, 80 - 4 - 48, 8)
+    assert c.stages == 5 and c.key_codes.shape == (1, 3, 80 - 4 - 26, 8)
     assert c.nbytes == sum(a.nbytes for a in c._arrays().values() if a is not None)
-    assert c.theta.nbytes == 3 * 5 * 32 * 64 * 2 * 2
+    # the default form: one int8 atom set per KV head, fp16 scales per pair, fp16 gains
+    assert c.theta.nbytes == 3 * 32 * 64 * 2 and c.theta.dtype == mx.int8
+    assert c.theta_scale.nbytes == 3 * 32 * 2
+    assert c.key_gain.nbytes == 3 * 5 * 32 * 2 * 2
+    assert c.value_codebook.shape[0] == 1  # values: one codebook per layer
 
 
 def test_layer_shared_theta_equals_the_same_theta_repeated_per_head():
@@ -639,14 +780,37 @@ def test_layer_shared_calibration_shapes(tmp_path):
     tensors, diag = METHOD.calibrate(
         CalibrationInputs(tmp_path, tmp_path), dims, hp, progress=False
     )
-    assert tuple(tensors["key_theta"].shape) == (2, 1, 2, 16, 64, 2)
-    assert METHOD.tensor_specs(dims, hp)["key_theta"].shape == (2, 1, 2, 16, 64, 2)
+    specs = METHOD.tensor_specs(dims, hp)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {
+        "key_theta": (2, 1, 1, 16, 64, 2),  # one atom set per layer
+        "key_gain": (2, 2, 2, 16, 2),  # gains per KV head and stage
+        "key_mean": (2, 2, 32),
+        "value_codebook": (2, 1, 256, 4),
+    }
+    assert {k: s.shape for k, s in specs.items()} == {k: v.shape for k, v in tensors.items()}
     caches = make_caches(
         model, KVCacheConfig(method="commvq"), Artifact("commvq", tensors, hp, diag)
     )
     model(mx.array(_tokens(1, 70)), cache=caches)
-    assert caches[0].theta.shape[0] == 1 and caches[0].key_codes.shape[:3] == (1, 2, 70 - 52)
+    assert caches[0].theta.shape[0] == 1 and caches[0].key_codes.shape[:3] == (1, 2, 70 - 30)
     assert diag["stage_key_rel_err"][1] < diag["stage_key_rel_err"][0] < 1
+    # the paper's form: a free θ per stage, no gains
+    hp = METHOD.hyperparameters({**hp, "atoms": "stage", "value_share": "head"})
+    tensors, _ = METHOD.calibrate(CalibrationInputs(tmp_path, tmp_path), dims, hp, progress=False)
+    assert tuple(tensors["key_theta"].shape) == (2, 1, 2, 16, 64, 2)
+    assert "key_gain" not in tensors and tensors["value_codebook"].shape == (2, 2, 256, 4)
+    assert METHOD.tensor_specs(dims, hp)["key_theta"].shape == (2, 1, 2, 16, 64, 2)
+    # an artifact from before `atoms`, `atom_bits` and `value_share` existed is this form, and
+    # still loads (bundles shipped earlier keep working)
+    old_hp = {k: v for k, v in hp.items() if k not in ("atoms", "atom_bits", "value_share")}
+    assert METHOD.tensor_specs(dims, old_hp) == METHOD.tensor_specs(dims, hp)
+    tokens = mx.array(_tokens(1, 50))
+    logits = {}
+    for name, h in (("new", hp), ("old", old_hp)):
+        art = Artifact("commvq", tensors, h, diag)
+        check_artifact(art, dims)
+        logits[name] = model(tokens, cache=make_caches(model, KVCacheConfig(method="commvq"), art))
+    np.testing.assert_array_equal(np.array(logits["old"]), np.array(logits["new"]))
 
 
 def test_real_model_inverse_rope_recovers_captured_pre_rope_keys(smollm2):

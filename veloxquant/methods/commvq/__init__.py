@@ -11,12 +11,22 @@ the codes never depend on the position. 12 bits per stage: R·12/D code bits per
 Encoding is separable (two [D] x [D, 64] products and a 64 x 64 table per token and stage), never
 a 4096 x D distance matrix.
 
+Parameterisation (`atoms`): the paper's free θ per stage costs R·P·64 complex numbers per KV
+head, 5.5 bits per K/V element at 1024 tokens on SmolLM2 in fp16, more than everything else
+resident together. The default ("shared") keeps one set of 64 atoms per pair for all stages and a
+complex gain per (KV head, stage, pair): θ_r = g_r·atoms, still a complex multiple per pair, so
+still RoPE-commutative (`codebook.apply_gains`). The atoms are held in int8 with one fp16 scale
+per pair (`atom_bits`). Together 0.34 bits per element at 1024 tokens; they amortise with context
+like any codebook, and for long contexts the paper's layout ("stage") is an option.
+
 Calibration (`train.py`, from a capture's `k_pre`, `v` and, for diagnostics, `q_post`):
 - keys per (layer, KV head): optional mean removal (`center`: μ = E k_pre is coded exactly
-  apart, since RoPE is linear), per-token norm scaling, then per stage soft EM with an annealed
-  temperature whose M-step is the commutativity projection (a weighted least-squares fit of θ),
-  optionally finished by hard EM steps, greedy on the residual between stages; fixed seed;
-- values: VecInfer-style product-VQ k-means codebooks per (layer, KV head) (d4b8 default);
+  apart, since RoPE is linear), per-token norm scaling, then EM whose M-step is the
+  commutativity projection (a weighted least-squares fit of θ; soft with an annealed temperature
+  or hard), greedy on the residual between stages: for every stage (atoms="stage") or for stage
+  0, whose θ becomes the shared atoms, the later stages fitting gains and least-squares refits of
+  atoms and gains (atoms="shared"); fixed seed;
+- values: VecInfer-style product-VQ k-means codebooks per layer (`value_share`, d4b8 default);
 - diagnostics on held-out tokens: per-stage key MSE and relative error, the relative attention-
   logit error E[(q·(k − k̂))²] / Var_k[q·k] with the KV head's own queries, the key-mean share,
   value error; the pair layout is recorded in the diagnostics and checked against the model.
@@ -25,22 +35,24 @@ Runtime (`cache.py`, `CommVQCache`): keys arrive post-RoPE; RoPE is inverted at 
 absolute positions, the pre-RoPE key is coded (12-bit codes packed, one fp16 scale per token);
 at fetch the codeword sums are decoded and RoPE is applied exactly at each token's position
 (transient dequantization; the fused table path is the kernels issue). fp16 sinks and a recent
-fp16 window stay exact, as in VecInfer. `nbytes` counts codes, scales, window, sinks, θ, μ and the
-value codebooks, i.e. every resident array. Only RoPE the cache can re-apply exactly is accepted:
-full rotary, rope_scaling none/default/linear.
+fp16 window stay exact, as in VecInfer. `nbytes` counts codes, scales, window, sinks, atoms (or
+θ) with their scales, gains, μ and the value codebooks, i.e. every resident array. Only RoPE the
+cache can re-apply exactly is accepted: full rotary, rope_scaling none/default/linear.
 
-Knobs: KVCacheConfig.window (fp16 recent tokens, default 48), KVCacheConfig.sinks (default 4);
-options `key_bits` / `stages` (R = round(key_bits·D/12) unless stages is given; D = 64: 2 bits →
-R = 11, 1 bit → R = 5), `share` ("head": one θ per KV head, the paper's layout; "layer": one
-per layer), `value_sub_dim`, `value_bits`, `seed` shape the uncalibrated variant and are
-checked against the artifact for the calibrated one. Calibration hyperparameters:
-`train.DEFAULTS`.
+Knobs: KVCacheConfig.window (fp16 recent tokens, default 26, VecInfer's), KVCacheConfig.sinks
+(default 4); options `key_bits` / `stages` (R = round(key_bits·D/12) unless stages is given;
+D = 64: 2 bits → R = 11, 1 bit → R = 5), `atoms`, `share` ("head": per KV head; "layer": one atom
+set or θ per layer), `atom_bits`, `value_sub_dim`, `value_bits`, `value_share`, `seed` shape the
+uncalibrated variant and are checked against the artifact for the calibrated one. Calibration
+hyperparameters: `train.DEFAULTS`.
 
-Uncalibrated variant (`KVCacheConfig(method="commvq", uncalibrated=True)`, no bundle): θ is the
-data-free initialisation, i.i.d. Gaussian parameters with stage r scaled for the residual a
-unit-energy Gaussian source leaves after r stages at Shannon's distortion-rate bound
-(`codebook.gaussian_theta`), no EM, no key mean; value codebooks are k-means on N(0, 1)
-samples as in VecInfer's reference. Keys are still normalised per token and RoPE is still exact.
+Uncalibrated variant (`KVCacheConfig(method="commvq", uncalibrated=True)`, no bundle): the
+data-free initialisation, no EM, no key mean. θ is i.i.d. Gaussian with stage r scaled for the
+residual a unit-energy Gaussian source leaves after r stages at Shannon's distortion-rate bound
+(`codebook.gaussian_theta`); in the shared form the atoms are that stage 0 and the gains the
+real scales ρ^(r/2) of the later stages (`codebook.gaussian_shared`). Value codebooks are k-means
+on N(0, 1) samples as in VecInfer's reference. Keys are still normalised per token and RoPE is
+still exact.
 
 Caveat: the paper ran prefill attention at full precision. Our eval feeds the prompt through the
 cache: the first `prefill` tokens in one call (attention among them is exact, as in any cache that
@@ -76,23 +88,53 @@ OPTIONS: dict[str, Any] = {
     "key_bits": None,
     "stages": None,
     "share": None,
+    "atoms": None,
+    "atom_bits": None,
     "value_sub_dim": None,
+    "value_share": None,
     "value_bits": None,
     "seed": None,
 }
 
 
+# What an artifact calibrated before these hyperparameters existed was: a free fp16 θ per stage
+# and per-head value codebooks. Filled in for keys an artifact lacks, so older bundles load.
+BEFORE_SHARED_ATOMS: dict[str, Any] = {"atoms": "stage", "atom_bits": 16, "value_share": "head"}
+
+
+def artifact_hyperparameters(hp: dict[str, Any] | None) -> dict[str, Any]:
+    """An artifact's hyperparameters with DEFAULTS and `BEFORE_SHARED_ATOMS` for absent keys."""
+    return {**DEFAULTS, **BEFORE_SHARED_ATOMS, **(hp or {})}
+
+
 def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
+    hp = {**BEFORE_SHARED_ATOMS, **hp}
     r = resolve_stages(dims.D, hp)
+    shared = hp["atoms"] == "shared"
     specs = {
         "key_theta": TensorSpec(
-            (dims.L, dims.H_kv if hp["share"] == "head" else 1, r, dims.P, codebook.ATOMS, 2),
+            (
+                dims.L,
+                dims.H_kv if hp["share"] == "head" else 1,
+                1 if shared else r,
+                dims.P,
+                codebook.ATOMS,
+                2,
+            ),
             "float32",
         ),
         "value_codebook": TensorSpec(
-            (dims.L, dims.H_kv, 2 ** hp["value_bits"], hp["value_sub_dim"]), "float32"
+            (
+                dims.L,
+                dims.H_kv if hp["value_share"] == "head" else 1,
+                2 ** hp["value_bits"],
+                hp["value_sub_dim"],
+            ),
+            "float32",
         ),
     }
+    if shared:
+        specs["key_gain"] = TensorSpec((dims.L, dims.H_kv, r, dims.P, 2), "float32")
     if hp["center"]:
         specs["key_mean"] = TensorSpec((dims.L, dims.H_kv, dims.D), "float32")
     return specs
@@ -100,7 +142,7 @@ def tensor_specs(dims: ModelDims, hp: dict[str, Any]) -> dict[str, TensorSpec]:
 
 def check_artifact(artifact: Artifact, dims: ModelDims) -> None:
     """Pair layout, stage count and finiteness of a commvq artifact against the model."""
-    hp = {**DEFAULTS, **(artifact.hyperparameters or {})}
+    hp = artifact_hyperparameters(artifact.hyperparameters)
     want = codebook.layout_name(dims.rope_traditional)
     have = (artifact.diagnostics or {}).get("pair_layout")
     if have is None and hp.get("pair_layout") not in (None, "auto"):
@@ -113,11 +155,18 @@ def check_artifact(artifact: Artifact, dims: ModelDims) -> None:
             f"{want!r} (rope_traditional={dims.rope_traditional}); its codebooks would pair the "
             "wrong channels. Calibrate on this model's capture."
         )
-    theta = artifact.tensors["key_theta"]
     r = resolve_stages(dims.D, hp)
-    if theta.shape[2] != r:
+    shared = hp["atoms"] == "shared"
+    if shared != ("key_gain" in artifact.tensors):
         raise ValueError(
-            f"commvq: key_theta has {theta.shape[2]} stages but its hyperparameters say R={r}"
+            f"commvq artifact says atoms={hp['atoms']!r} but "
+            f"{'lacks' if shared else 'has'} key_gain; recalibrate it"
+        )
+    stages_tensor = artifact.tensors["key_gain" if shared else "key_theta"]
+    if stages_tensor.shape[2] != r:
+        raise ValueError(
+            f"commvq: the artifact codes {stages_tensor.shape[2]} stages but its "
+            f"hyperparameters say R={r}"
         )
     for name, x in artifact.tensors.items():
         if not bool(mx.all(mx.isfinite(mx.array(x))).item()):
@@ -149,19 +198,28 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[Comm
         check_hyperparameters(hp)
         r = resolve_stages(dims.D, hp)
         h_share = dims.H_kv if hp["share"] == "head" else 1
-        theta = codebook.gaussian_theta(mx.random.key(int(hp["seed"])), dims.L * h_share, r, dims.P)
+        seed_key = mx.random.key(int(hp["seed"]))
+        if hp["atoms"] == "shared":
+            theta, gains = codebook.gaussian_shared(
+                seed_key, dims.L * h_share, dims.L * dims.H_kv, r, dims.P
+            )
+            gains = gains.reshape(dims.L, dims.H_kv, *gains.shape[1:])
+        else:
+            theta, gains = codebook.gaussian_theta(seed_key, dims.L * h_share, r, dims.P), None
         theta = theta.reshape(dims.L, h_share, *theta.shape[1:])
         from veloxquant.methods.vecinfer import gaussian_codebook
 
         vbook = gaussian_codebook(hp["value_sub_dim"], hp["value_bits"], int(hp["seed"]))
-        vbooks = mx.broadcast_to(vbook[None, None], (dims.L, dims.H_kv, *vbook.shape))
+        v_share = dims.H_kv if hp["value_share"] == "head" else 1
+        vbooks = mx.broadcast_to(vbook[None, None], (dims.L, v_share, *vbook.shape))
         means = None
     else:
         check_artifact(artifact, dims)
-        hp = {**DEFAULTS, **(artifact.hyperparameters or {})}
+        hp = artifact_hyperparameters(artifact.hyperparameters)
         theta, vbooks = artifact.tensors["key_theta"], artifact.tensors["value_codebook"]
+        gains = artifact.tensors.get("key_gain")
         means = artifact.tensors.get("key_mean")
-        r = int(theta.shape[2])
+        r = int((theta if gains is None else gains).shape[2])
         for name, value in options.items():
             if name in ("key_bits", "stages"):
                 asked_hp = {**hp, name: value}
@@ -180,12 +238,15 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[Comm
                     f"was calibrated with {name}={hp.get(name)!r}"
                 )
         theta, vbooks = mx.array(theta), mx.array(vbooks)
+        gains = None if gains is None else mx.array(gains)
         means = None if means is None else mx.array(means)
     return [
         CommVQCache(
             theta[i],
             vbooks[i],
             None if means is None else means[i],
+            key_gain=None if gains is None else gains[i],
+            atom_bits=int(hp["atom_bits"]),
             rope_base=base,
             rope_traditional=traditional,
             rope_scale=scale,

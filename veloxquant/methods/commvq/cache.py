@@ -7,8 +7,11 @@ positions offset .. offset + T − 1. Resident:
 - every other token: its key as R 12-bit codes (packed: the high 8 bits of each code, then the low
   4 bits two per byte, R + ceil(R/2) bytes) plus one fp16 scale s = ‖k_pre − μ‖, and its value
   as product-VQ codes (`veloxquant.codes`);
-- this layer's θ [H, R, P, 64, 2] and value codebooks in fp16, and μ [H, D] in fp32 when the
-  artifact was trained centred. `nbytes` counts exactly these arrays.
+- this layer's codebook: θ [H or 1, R, P, 64, 2], or the shared atoms [H or 1, 1, P, 64, 2]
+  with gains [H, R, P, 2] in fp16; θ / atoms in fp16 or int8 with an fp16 scale per pair
+  (`theta_scale`); the value codebooks in fp16; μ [H, D] in fp32 when the artifact was trained
+  centred. `nbytes` counts exactly these arrays. Every stage's float θ is rebuilt from them per
+  call (`stage_theta`) and not kept.
 
 Encode (a token leaving the window): invert RoPE at the token's absolute position
 (`mx.fast.rope` with a negated scale, DESIGN.md section 6), subtract μ, divide by the fp16 scale,
@@ -37,7 +40,7 @@ from veloxquant.codes import pq_decode, pq_encode
 from veloxquant.methods.base import CompressedCache, ModelDims, pack_state, take_sinks, unpack_state
 from veloxquant.methods.commvq import codebook as cb
 
-DEFAULT_WINDOW = 48
+DEFAULT_WINDOW = 26
 DEFAULT_SINKS = 4
 SUPPORTED_ROPE_SCALING = ("default", "linear")
 
@@ -137,6 +140,8 @@ class CommVQCache(CompressedCache):
     # Every array the cache holds (None until used): its state, and what nbytes counts.
     array_names = (
         "theta",
+        "theta_scale",
+        "key_gain",
         "key_mean",
         "value_codebook",
         "key_codes",
@@ -154,6 +159,8 @@ class CommVQCache(CompressedCache):
         value_codebook: mx.array,
         key_mean: mx.array | None = None,
         *,
+        key_gain: mx.array | None = None,
+        atom_bits: int = 16,
         rope_base: float,
         rope_traditional: bool,
         rope_scale: float = 1.0,
@@ -162,7 +169,14 @@ class CommVQCache(CompressedCache):
         window: int = DEFAULT_WINDOW,
         sinks: int = DEFAULT_SINKS,
     ):
-        self.theta = None if theta is None else theta.astype(mx.float16)
+        if atom_bits not in (8, 16):
+            raise ValueError(f"commvq: atom_bits must be 8 or 16, got {atom_bits!r}")
+        self.theta_scale = None
+        if theta is None or atom_bits == 16:
+            self.theta = None if theta is None else theta.astype(mx.float16)
+        else:
+            self.theta, self.theta_scale = cb.quantize_atoms(theta.astype(mx.float32))
+        self.key_gain = None if key_gain is None else key_gain.astype(mx.float16)
         self.value_codebook = value_codebook.astype(mx.float16)
         self.key_mean = None if key_mean is None else key_mean.astype(mx.float32)
         self.rope_base, self.rope_traditional = float(rope_base), bool(rope_traditional)
@@ -198,15 +212,46 @@ class CommVQCache(CompressedCache):
         _check_finite(self.value_codebook, "value codebook")
 
     def _validate_keys(self) -> None:
-        theta = self.theta
+        theta, gain = self.theta, self.key_gain
         if theta is None or theta.ndim != 5 or tuple(theta.shape[3:]) != (cb.ATOMS, 2):
             shape = None if self.theta is None else list(self.theta.shape)
-            raise ValueError(f"commvq: θ has shape {shape}, expected [H or 1, R, P, {cb.ATOMS}, 2]")
-        _check_finite(self.theta, "θ")
+            raise ValueError(
+                f"commvq: θ has shape {shape}, expected [H or 1, R or 1, P, {cb.ATOMS}, 2]"
+            )
+        if gain is not None:
+            p = int(theta.shape[2])
+            if (
+                gain.ndim != 4
+                or tuple(gain.shape[2:]) != (p, 2)
+                or theta.shape[1] != 1
+                or gain.shape[0] % theta.shape[0]
+            ):
+                raise ValueError(
+                    f"commvq: key gains have shape {list(gain.shape)} but shared atoms "
+                    f"{list(theta.shape)} need [H, R, {p}, 2] with H a multiple of "
+                    f"{theta.shape[0]} and one atom set per head or layer"
+                )
+            _check_finite(gain, "key gains")
+        if self.theta_scale is not None:
+            want = (*theta.shape[:3], 1, 1)
+            if theta.dtype != mx.int8 or tuple(self.theta_scale.shape) != want:
+                raise ValueError(
+                    f"commvq: 8-bit atoms need int8 θ with scales {list(want)}, got "
+                    f"{theta.dtype} θ and scales {list(self.theta_scale.shape)}"
+                )
+            _check_finite(self.theta_scale, "θ scales")
+        else:
+            _check_finite(self.theta, "θ")
+
+    def stage_theta(self) -> mx.array:
+        """Every stage's θ [H or 1, R, P, 64, 2] in float32, built from the shared atoms and
+        gains when the cache has them (transient: only atoms and gains are resident)."""
+        gain = None if self.key_gain is None else self.key_gain.astype(mx.float32)
+        return cb.apply_gains(cb.dequantize_atoms(self.theta, self.theta_scale), gain)
 
     @property
     def stages(self) -> int:
-        return int(self.theta.shape[1])
+        return int((self.theta if self.key_gain is None else self.key_gain).shape[1])
 
     @property
     def head_dim(self) -> int:
@@ -216,6 +261,8 @@ class CommVQCache(CompressedCache):
     def n_heads(self) -> int:
         # θ and the value codebooks may be shared by the layer's heads ([1, ...]); μ never is.
         sizes = [int(self.theta.shape[0]), int(self.value_codebook.shape[0])]
+        if self.key_gain is not None:
+            sizes.append(int(self.key_gain.shape[0]))
         if self.key_mean is not None:
             sizes.append(int(self.key_mean.shape[0]))
         return max(sizes)
@@ -245,11 +292,12 @@ class CommVQCache(CompressedCache):
         scales = mx.sqrt((x * x).sum(axis=-1)).astype(mx.float16)
         _check_finite(scales, "keys to encode")
         x = x / mx.maximum(scales.astype(mx.float32), 1e-30)[..., None]
-        g = int(self.theta.shape[0])  # h, or 1 when the layer's heads share θ
+        theta = self.stage_theta()
+        g = int(theta.shape[0])  # h, or 1 when the layer's heads share θ
         pairs = cb.to_pairs(
             x.transpose(1, 0, 2, 3).reshape(g, h // g * b * t, d), self.rope_traditional
         )
-        codes, _ = cb.encode_residual(pairs, self.theta.astype(mx.float32))
+        codes, _ = cb.encode_residual(pairs, theta)
         codes = codes.reshape(h, b, t, -1).transpose(1, 0, 2, 3)
         return pack12(codes), scales
 
@@ -257,9 +305,10 @@ class CommVQCache(CompressedCache):
         """Inverse of `encode_keys` up to the quantization: post-RoPE keys [B, H, T, D]."""
         b, h, t, _ = packed.shape
         r = self.stages
-        g = int(self.theta.shape[0])
+        theta = self.stage_theta()
+        g = int(theta.shape[0])
         codes = unpack12(packed, r).transpose(1, 0, 2, 3).reshape(g, h // g * b * t, r)
-        table = cb.gather_table(self.theta.astype(mx.float32))
+        table = cb.gather_table(theta)
         pairs = cb.decode_pairs(codes, table, g, r)
         x = cb.from_pairs(pairs, self.rope_traditional).reshape(h, b, t, -1).transpose(1, 0, 2, 3)
         x = x * scales.astype(mx.float32)[..., None]

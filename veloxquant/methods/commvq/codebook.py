@@ -96,6 +96,58 @@ def rotate_theta(theta: mx.array, angle_per_pair: mx.array) -> mx.array:
 
 
 # ---------------------------------------------------------------------------------------------
+# Shared atoms and per-stage gains
+
+
+def complex_mul(a: mx.array, b: mx.array) -> mx.array:
+    """(x + iy)·(u + iv) on [..., 2] pairs, broadcasting."""
+    return mx.stack(
+        [
+            a[..., 0] * b[..., 0] - a[..., 1] * b[..., 1],
+            a[..., 0] * b[..., 1] + a[..., 1] * b[..., 0],
+        ],
+        axis=-1,
+    )
+
+
+def apply_gains(atoms: mx.array, gains: mx.array | None) -> mx.array:
+    """Stage parameters θ [H, R, P, 64, 2] from atoms [S, R_θ, P, 64, 2] and gains.
+
+    gains None: θ = atoms (one θ per stage, the paper's codebook; S = H or 1, the layer's heads
+    sharing it). gains [H, R, P, 2] (R_θ = 1, H a multiple of S): stage r of head h has
+    θ[h, r, j] = g[h, r, j]·atoms[s(h), 0, j], every atom of pair j multiplied by one complex gain.
+    Codeword (a, b) becomes g·(t_a + i·t_b), still a complex multiple of each pair, so RoPE
+    commutes with it exactly as with a free θ."""
+    if gains is None:
+        return atoms
+    h, s = gains.shape[0], atoms.shape[0]
+    if atoms.shape[1] != 1 or h % s:
+        raise ValueError(
+            f"commvq: atoms {list(atoms.shape)} do not fit gains {list(gains.shape)} "
+            "(one atom set per layer or per head, R_θ = 1)"
+        )
+    shared = mx.repeat(atoms[:, 0], h // s, axis=0)  # [H, P, 64, 2]
+    return complex_mul(gains[:, :, :, None, :], shared[:, None])
+
+
+def quantize_atoms(theta: mx.array) -> tuple[mx.array, mx.array]:
+    """θ or atoms [..., P, 64, 2] → (int8 [..., P, 64, 2], fp16 scale [..., P, 1, 1]): one
+    symmetric absmax scale per pair over its 64 atoms. A scale multiplies every atom of a pair
+    by one real number, so the rounded parameters are still a commutative codebook."""
+    amax = mx.abs(theta).max(axis=(-2, -1), keepdims=True)
+    scale = (mx.maximum(amax, 1e-30) / 127.0).astype(mx.float16)
+    codes = mx.clip(mx.round(theta / scale.astype(mx.float32)), -127, 127).astype(mx.int8)
+    return codes, scale
+
+
+def dequantize_atoms(codes: mx.array, scale: mx.array | None) -> mx.array:
+    """Inverse of `quantize_atoms` (scale None: codes already hold float parameters)."""
+    if scale is None:
+        return codes.astype(mx.float32)
+    return codes.astype(mx.float32) * scale.astype(mx.float32)
+
+
+# ---------------------------------------------------------------------------------------------
 # Codewords and decoding
 
 
@@ -280,3 +332,16 @@ def gaussian_theta(
         stage0 = theta[:, 0] + half[:, :, None, :]
         theta = mx.concatenate([stage0[:, None], theta[:, 1:]], axis=1)
     return theta
+
+
+def gaussian_shared(
+    key: mx.array, n_sets: int, n_heads: int, n_stages: int, pairs: int
+) -> tuple[mx.array, mx.array]:
+    """The data-free shared form: atoms [S, 1, P, 64, 2] as `gaussian_theta`'s stage 0 for a
+    unit-energy source, gains [H, R, P, 2] real ρ^(r/2), so that stage r has the same scale as
+    `gaussian_theta`'s stage r (with stage 0's draw reused by every stage)."""
+    atoms = gaussian_theta(key, n_sets, 1, pairs)
+    rho = stage_energy_ratio(2 * pairs)
+    scale = mx.array([rho ** (r / 2) for r in range(n_stages)], dtype=mx.float32)
+    gains = mx.broadcast_to(scale[None, :, None], (n_heads, n_stages, pairs))
+    return atoms, mx.stack([gains, mx.zeros_like(gains)], axis=-1)

@@ -22,8 +22,17 @@ Keys (per (layer, KV head) group, all groups batched):
      initialisation included, so EM never returns something worse than its start.
 4. The stage's hard codes are subtracted; the next stage trains on the residual.
 
-Values: product-VQ codebooks (`veloxquant.kmeans.product_kmeans`) on raw captured v per
-(layer, KV head), VecInfer's layout (d4b8 by default).
+That is atoms="stage". The default, atoms="shared" (`train_keys_shared`), trains stage 0's θ
+that way and keeps it as the one atom set of every stage: stage r of head h is g[h, r, j] times
+pair j's atoms, a complex gain per (head, stage, pair). Per stage the gains alternate with
+nearest-codeword codes (`gain_iters`); after each stage the atoms and all gains so far are
+refitted to the chosen codes by linear least squares (`solve_atoms`, `solve_gains`), and
+`rounds` rounds re-encode every stage greedily, as the cache does, and refit. `atom_bits` = 8
+rounds the atoms to int8 with one scale per pair before the diagnostics, as the cache holds them.
+
+Values: product-VQ codebooks (`veloxquant.kmeans.product_kmeans`) on raw captured v per layer
+(its KV heads pooled, VecInfer's default) or per (layer, KV head) (`value_share`), d4b8 by
+default.
 
 Diagnostics on held-out captured tokens: per-stage key MSE (original scale) and relative key
 error ‖k − k̂‖² / ‖k‖², the relative attention-logit error E[(q·(k − k̂))²] / Var_k[q·k]
@@ -62,9 +71,25 @@ DEFAULTS: dict[str, Any] = {
     "temperature_start": 0.02,
     "temperature_end": 0.005,
     "hard_iters": 4,
-    # One θ per (layer, KV head) ("head", the paper's layout) or per layer, shared by its KV
-    # heads ("layer": H_kv times fewer resident codebook bytes; μ and scales stay per head).
+    # How the R stages are parameterised. "shared": one set of 64 atoms per pair for all stages,
+    # stage r of head h multiplying pair j's atoms by a complex gain g[h, r, j] (R·P gains per
+    # head instead of R·P·64 parameters: at 1024 tokens the paper's fp16 θ alone costs 5.5 bits
+    # per K/V element on SmolLM2, the shared form 0.34 with 8-bit atoms). "stage": a free θ per
+    # stage, the paper's codebook.
+    "atoms": "shared",
+    # Where one atom set (or one θ) applies: per (layer, KV head) ("head", the paper's layout)
+    # or per layer, shared by its KV heads ("layer"; μ, scales and gains stay per head).
     "share": "head",
+    # atoms="shared": per stage, `gain_iters` alternations of nearest-codeword codes and the
+    # least-squares gain; after each stage the atoms and every gain so far are refitted to the
+    # codes (linear least squares); then `rounds` rounds of re-encoding all stages greedily
+    # and refitting both.
+    "gain_iters": 4,
+    "rounds": 2,
+    # Resident precision of θ / the atoms: 8 (int8, one fp16 scale per pair and atom set; the
+    # artifact holds the rounded values, so calibration diagnostics see what the cache decodes)
+    # or 16 (fp16).
+    "atom_bits": 8,
     # Ridge of the least-squares projection, relative to the mean atom weight.
     "ridge": 1e-3,
     "seed": 0,
@@ -72,7 +97,9 @@ DEFAULTS: dict[str, Any] = {
     # has only 128 complex parameters per pair, so a thousand tokens fit it.
     "max_tokens": 1024,
     "heldout_fraction": 0.1,
-    # Values: VecInfer-style product VQ.
+    # Values: VecInfer-style product VQ, one codebook per layer ("layer", VecInfer's default)
+    # or per (layer, KV head) ("head").
+    "value_share": "layer",
     "value_sub_dim": 4,
     "value_bits": 8,
     "value_iters": 16,
@@ -131,6 +158,21 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
         bad("value_sub_dim", "must be an integer >= 1")
     if hp["share"] not in ("head", "layer"):
         bad("share", "must be 'head' or 'layer'")
+    if hp["atom_bits"] not in (8, 16) or isinstance(hp["atom_bits"], bool):
+        bad("atom_bits", "must be 8 or 16")
+    if hp["value_share"] not in ("head", "layer"):
+        bad("value_share", "must be 'head' or 'layer'")
+    if hp["atoms"] not in ("shared", "stage"):
+        bad("atoms", "must be 'shared' (one atom set, per-stage gains) or 'stage' (θ per stage)")
+    for name in ("gain_iters", "rounds"):
+        if (
+            isinstance(hp[name], bool)
+            or not isinstance(hp[name], (int, np.integer))
+            or hp[name] < 0
+        ):
+            bad(name, "must be an integer >= 0")
+    if hp["atoms"] == "shared" and hp["gain_iters"] < 1:
+        bad("gain_iters", "must be >= 1 with atoms='shared' (each stage fits its gain)")
     if hp["pair_layout"] not in ("auto", "interleaved", "half"):
         bad("pair_layout", "must be 'auto', 'interleaved' or 'half'")
 
@@ -230,31 +272,48 @@ def e_step(
     )
 
 
+def solve_hermitian(
+    s: mx.array,
+    k: mx.array,
+    b_re: mx.array,
+    b_im: mx.array,
+    old_re: mx.array,
+    old_im: mx.array,
+    ridge: float,
+) -> tuple[mx.array, mx.array]:
+    """Solve (S + iK)(x + iy) = b_re + i·b_im for the Hermitian S + iK (S [B, n, n] symmetric,
+    K antisymmetric), right-hand sides [B, n, m], in its real form [[S, −K], [K, S]]. A ridge
+    λ = ridge · mean diag(S) pulls towards (old_re, old_im): unused unknowns keep their value
+    and the system stays well conditioned. Returns (x, y) [B, n, m]."""
+    n = s.shape[-1]
+    lam = ridge * mx.maximum(mx.diagonal(s, axis1=-2, axis2=-1).mean(axis=-1), 1e-12)
+    lam = lam[:, None, None]
+    mat = mx.concatenate(
+        [mx.concatenate([s, -k], axis=2), mx.concatenate([k, s], axis=2)], axis=1
+    ) + lam * mx.eye(2 * n)
+    rhs = mx.concatenate([b_re + lam * old_re, b_im + lam * old_im], axis=1)
+    sol = mx.linalg.solve(mat, rhs, stream=mx.cpu)  # LAPACK lives on the CPU stream
+    return sol[:, :n], sol[:, n:]
+
+
 def m_step(w: mx.array, sa: mx.array, sb: mx.array, theta_old: mx.array, ridge: float) -> mx.array:
     """The commutativity projection: θ [G, P, 64, 2] minimising Σ_ab W_ab ‖m_ab − c_ab(θ)‖²
     (equivalently the expected squared error under the soft assignment), from W [G, 64, 64]
     and the marginal sums SA, SB [G, 64, P, 2]."""
     k = sa.shape[1]
-    r, c = w.sum(axis=2), w.sum(axis=1)
-    diag = r + c  # [G, 64]
-    anti = w - w.swapaxes(1, 2)  # A = W − Wᵀ
-    eye = mx.eye(k)
-    dg = diag[:, :, None] * eye
-    # Real form of (diag + iA) t = SA − i·SB:  [[D, −A], [A, D]] [X; Y] = [RX; RY]
-    mat = mx.concatenate(
-        [mx.concatenate([dg, -anti], axis=2), mx.concatenate([anti, dg], axis=2)], axis=1
-    )  # [G, 128, 128]
-    rx = sa[..., 0] + sb[..., 1]  # [G, 64, P]
-    ry = sa[..., 1] - sb[..., 0]
-    rhs = mx.concatenate([rx, ry], axis=1)  # [G, 128, P]
-    # Ridge towards the previous θ: atoms no token uses keep their value, and the system stays
-    # well conditioned.
-    lam = ridge * mx.maximum(diag.mean(axis=1), 1e-12)[:, None, None]
+    diag = w.sum(axis=2) + w.sum(axis=1)  # row + column sums [G, 64]
+    dg = diag[:, :, None] * mx.eye(k)
     old = theta_old.transpose(0, 2, 1, 3)  # [G, 64, P, 2]
-    rhs = rhs + lam * mx.concatenate([old[..., 0], old[..., 1]], axis=1)
-    mat = mat + lam * mx.eye(2 * k)
-    sol = mx.linalg.solve(mat, rhs, stream=mx.cpu)  # LAPACK lives on the CPU stream
-    x, y = sol[:, :k], sol[:, k:]  # [G, 64, P]
+    # (diag + i(W − Wᵀ)) t = SA − i·SB, one system for all P pairs (right-hand sides)
+    x, y = solve_hermitian(
+        dg,
+        w - w.swapaxes(1, 2),
+        sa[..., 0] + sb[..., 1],
+        sa[..., 1] - sb[..., 0],
+        old[..., 0],
+        old[..., 1],
+        ridge,
+    )  # [G, 64, P]
     return mx.stack([x, y], axis=-1).transpose(0, 2, 1, 3)
 
 
@@ -359,6 +418,212 @@ def train_keys(
 
 
 # ---------------------------------------------------------------------------------------------
+# Shared atoms with per-stage gains (atoms="shared")
+
+
+def solve_gains(
+    x_pairs: mx.array, codes: mx.array, unit_theta: mx.array, old: mx.array, ridge: float
+) -> mx.array:
+    """Least-squares gains [G, R, P, 2] for fixed codes [G, N, R]: per (group, pair) the R
+    complex g_r minimising Σ_n |x_nj − Σ_r g_r·z_rnj|², z the unit-gain codewords under
+    unit_theta [G, P, 64, 2] (the group's atoms), x [G, N, P, 2]; ridge towards old."""
+    g, n, r = codes.shape
+    p = x_pairs.shape[2]
+    z = mx.stack([cb.codeword_pairs(unit_theta, codes[..., i]) for i in range(r)], axis=-1)
+    zr = z[..., 0, :].transpose(0, 2, 1, 3)  # [G, P, N, R]
+    zi = z[..., 1, :].transpose(0, 2, 1, 3)
+    xr = x_pairs[..., 0].transpose(0, 2, 1)[..., None]  # [G, P, N, 1]
+    xi = x_pairs[..., 1].transpose(0, 2, 1)[..., None]
+    zrt, zit = zr.swapaxes(-1, -2), zi.swapaxes(-1, -2)
+    flat = (g * p, r, r)
+    o = old.transpose(0, 2, 1, 3).reshape(g * p, r, 1, 2)
+    gr, gi = solve_hermitian(
+        (zrt @ zr + zit @ zi).reshape(flat),
+        (zrt @ zi - zit @ zr).reshape(flat),
+        (zrt @ xr + zit @ xi).reshape(g * p, r, 1),
+        (zrt @ xi - zit @ xr).reshape(g * p, r, 1),
+        o[..., 0],
+        o[..., 1],
+        ridge,
+    )
+    return mx.stack([gr[..., 0], gi[..., 0]], axis=-1).reshape(g, p, r, 2).transpose(0, 2, 1, 3)
+
+
+def solve_atoms(
+    x_pairs: mx.array,
+    codes: mx.array,
+    gains: mx.array,
+    pool: int,
+    old_atoms: mx.array,
+    ridge: float,
+) -> mx.array:
+    """Least-squares atoms [S, P, 64, 2] for fixed codes [G, N, R] and gains [G, R, P, 2], one
+    atom set per run of `pool` groups (S = G / pool): per pair j the 64 complex t minimising
+    Σ_n |x_nj − A_nj·t|², A_nj[c] = Σ_r g_rj·([a_rn = c] + i·[b_rn = c]). The design matrix is
+    built per group from one-hot GEMMs and its Gram summed over the pool's groups."""
+    g, n, r = codes.shape
+    p, k = x_pairs.shape[2], cb.ATOMS
+    atoms_ids = mx.arange(k, dtype=mx.uint32)
+    a, b = cb.split_codes(codes)
+    out = []
+    for s in range(g // pool):
+        gram = rhs = None
+        for h in range(s * pool, (s + 1) * pool):
+            oa = (a[h][..., None] == atoms_ids).astype(mx.float32).transpose(1, 0, 2)
+            ob = (b[h][..., None] == atoms_ids).astype(mx.float32).transpose(1, 0, 2)
+            oa, ob = oa.reshape(r, n * k), ob.reshape(r, n * k)
+            gr, gi = gains[h, :, :, 0].T, gains[h, :, :, 1].T  # [P, R]
+            design = mx.concatenate(
+                [(gr @ oa - gi @ ob).reshape(p, n, k), (gi @ oa + gr @ ob).reshape(p, n, k)],
+                axis=-1,
+            )  # [P, N, 128]: [Re A | Im A]
+            dt = design.swapaxes(1, 2)
+            qr = dt @ x_pairs[h, :, :, 0].T[..., None]  # [P, 128, 1]
+            qi = dt @ x_pairs[h, :, :, 1].T[..., None]
+            part_rhs = mx.concatenate([qr[:, :k] + qi[:, k:], qi[:, :k] - qr[:, k:]], axis=1)
+            part = dt @ design
+            gram = part if gram is None else gram + part
+            rhs = part_rhs if rhs is None else rhs + part_rhs
+        old = old_atoms[s]  # [P, 64, 2]
+        tr_, ti_ = solve_hermitian(
+            gram[:, :k, :k] + gram[:, k:, k:],
+            gram[:, :k, k:] - gram[:, k:, :k],
+            rhs[:, :k],
+            rhs[:, k:],
+            old[..., 0:1],
+            old[..., 1:2],
+            ridge,
+        )
+        out.append(mx.concatenate([tr_, ti_], axis=-1))
+        mx.eval(out[-1])
+    return mx.stack(out)
+
+
+def fit_stage_gain(
+    residual: mx.array, unit_theta: mx.array, iters: int
+) -> tuple[mx.array, mx.array]:
+    """One stage's gains [G, P, 2] over fixed atoms unit_theta [G, P, 64, 2] for the residual
+    [G, N, P, 2]: start from the per-pair energy ratio, then `iters` alternations of
+    nearest-codeword codes and the least-squares gain for them; returns the gain with the
+    lowest error seen and its codes [G, N]."""
+    energy = (residual * residual).sum(-1).mean(axis=1)  # [G, P]
+    atom_energy = 2.0 * (unit_theta * unit_theta).sum(-1).mean(axis=-1)  # E|t_a + i t_b|²
+    gain = mx.sqrt(energy / mx.maximum(atom_energy, 1e-30))
+    gain = mx.stack([gain, mx.zeros_like(gain)], axis=-1)
+    best = best_err = best_codes = None
+    for i in range(iters + 1):
+        codes, err = cb.nearest_codewords(residual, cb.complex_mul(gain[:, :, None], unit_theta))
+        err = err.mean(axis=1)
+        if best is None:
+            best, best_err, best_codes = gain, err, codes
+        else:
+            better = err < best_err
+            best = mx.where(better[:, None, None], gain, best)
+            best_codes = mx.where(better[:, None], codes, best_codes)
+            best_err = mx.minimum(err, best_err)
+        if i == iters:
+            break
+        z = cb.codeword_pairs(unit_theta, codes)
+        num_r = (z[..., 0] * residual[..., 0] + z[..., 1] * residual[..., 1]).sum(axis=1)
+        num_i = (z[..., 0] * residual[..., 1] - z[..., 1] * residual[..., 0]).sum(axis=1)
+        den = mx.maximum((z * z).sum(-1).sum(axis=1), 1e-30)
+        gain = mx.stack([num_r / den, num_i / den], axis=-1)
+        mx.eval(gain, best, best_err, best_codes)
+    return best, best_codes
+
+
+def decode_sum(codes: mx.array, theta: mx.array) -> mx.array:
+    """Σ_r c(a_r, b_r) under θ [G, R, P, 64, 2] for codes [G, N, R] → [G, N, P, 2]."""
+    g, _, r = codes.shape
+    return cb.decode_pairs(codes, cb.gather_table(theta), g, r)
+
+
+def train_keys_shared(
+    k_pre: mx.array,
+    traditional: bool,
+    hp: dict[str, Any],
+    *,
+    pool: int = 1,
+    progress: bool = True,
+    desc: str = "commvq keys",
+) -> tuple[mx.array, mx.array, mx.array | None, dict[str, Any]]:
+    """atoms="shared": atoms [G / pool, 1, P, 64, 2], gains [G, R, P, 2] (and μ [G, D] when
+    `center`) from training keys k_pre [G, N, D]; see DEFAULTS for the schedule.
+
+    Stage 0's atoms are trained by the same EM as a free stage (on the pool's tokens together);
+    every later stage fits its gains on the residual, and after each stage the atoms and every
+    gain so far are refitted by least squares to the codes chosen, the residual recomputed from
+    them. Each of `rounds` then re-encodes every stage greedily (as the cache does) and refits;
+    each atom set keeps its lowest greedy training error."""
+    from tqdm.auto import tqdm
+
+    g, n, d = k_pre.shape
+    if g % pool:
+        raise ValueError(f"commvq: {g} groups do not split into pools of {pool}")
+    n_stages = resolve_stages(d, hp)
+    ridge = float(hp["ridge"])
+    mu = k_pre.mean(axis=1) if hp["center"] else None
+    x = cb.to_pairs(normalise(k_pre, mu)[0], traditional)  # [G, N, P, 2]
+    p = d // 2
+    taus = temperatures(hp)
+    n_sets = g // pool
+
+    def set_mean(err: mx.array) -> mx.array:
+        return err.reshape(n_sets, pool).mean(axis=1)
+
+    total = max(len(taus), 1) + (n_stages - 1) + int(hp["rounds"])
+    with tqdm(total=total, desc=desc, disable=not progress, leave=False) as bar:
+        pooled = x.reshape(n_sets, pool * n, p, 2)
+        key0 = mx.random.split(mx.random.key(int(hp["seed"])), n_stages)[0]
+        atoms, hist0 = train_stage(
+            pooled, init_stage(key0, pooled, 0), taus, ridge, on_iter=bar.update
+        )
+        if not taus:
+            bar.update()
+        atoms = atoms[:, None]  # [S, 1, P, 64, 2]
+        unit = mx.repeat(atoms[:, 0], pool, axis=0)  # [G, P, 64, 2]
+        codes0, _ = cb.nearest_codewords(x, unit)
+        residual = x - cb.codeword_pairs(unit, codes0)
+        codes = [codes0]
+        gains = mx.stack([mx.ones((g, 1, p)), mx.zeros((g, 1, p))], axis=-1)
+        for _ in range(1, n_stages):
+            gain, c = fit_stage_gain(residual, unit, int(hp["gain_iters"]))
+            codes.append(c)
+            stacked = mx.stack(codes, axis=-1)
+            gains = mx.concatenate([gains, gain[:, None]], axis=1)
+            atoms = solve_atoms(x, stacked, gains, pool, atoms[:, 0], ridge)[:, None]
+            unit = mx.repeat(atoms[:, 0], pool, axis=0)
+            gains = solve_gains(x, stacked, unit, gains, ridge)
+            residual = x - decode_sum(stacked, cb.apply_gains(atoms, gains))
+            mx.eval(residual, atoms, gains)
+            bar.update()
+        history = []
+        best = None
+        for i in range(int(hp["rounds"]) + 1):
+            stacked, res = cb.encode_residual(x, cb.apply_gains(atoms, gains))
+            err = set_mean((res * res).sum(axis=(2, 3)).mean(axis=1))
+            history.append(float(err.mean().item()))
+            if best is None:
+                best = (atoms, gains, err)
+            else:
+                better = err < best[2]
+                best = (
+                    mx.where(better[:, None, None, None, None], atoms, best[0]),
+                    mx.where(mx.repeat(better, pool)[:, None, None, None], gains, best[1]),
+                    mx.minimum(err, best[2]),
+                )
+            mx.eval(*best)
+            if i == int(hp["rounds"]):
+                break
+            atoms = solve_atoms(x, stacked, gains, pool, atoms[:, 0], ridge)[:, None]
+            gains = solve_gains(x, stacked, mx.repeat(atoms[:, 0], pool, axis=0), gains, ridge)
+            mx.eval(atoms, gains)
+            bar.update()
+    atoms, gains, _ = best
+    return atoms, gains, mu, {"em_history": [hist0], "round_history": history}
+
+
+# ---------------------------------------------------------------------------------------------
 # Reconstruction (shared with the cache) and diagnostics
 
 
@@ -415,8 +680,9 @@ def calibrate(
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """Key θ (and μ) and value codebooks from a capture dir: see the module docstring.
 
-    Returns (tensors: key_theta [L, H_kv, R, P, 64, 2], key_mean [L, H_kv, D] when centred,
-    value_codebook [L, H_kv, 2^vb, vd], all float32; json diagnostics)."""
+    Returns (tensors: key_theta [L, H_kv or 1, R or 1, P, 64, 2] (the stages' θ, or the
+    shared atoms), key_gain [L, H_kv, R, P, 2] with atoms="shared", key_mean [L, H_kv, D] when
+    centred, value_codebook [L, H_kv or 1, 2^vb, vd], all float32; json diagnostics)."""
     from tqdm.auto import tqdm
 
     from veloxquant.capture import load_activations, load_capture_info
@@ -483,18 +749,30 @@ def calibrate(
     del k_all, v_all, q_all
 
     pool = n_heads if hp["share"] == "layer" else 1
-    theta, mu, train_diag = train_keys(
-        k[:, mx.array(key_train)],
-        traditional,
-        hp,
-        pool=pool,
-        progress=progress,
-        desc=f"commvq keys R={n_stages}",
-    )
+    train_args = dict(pool=pool, progress=progress, desc=f"commvq keys R={n_stages}")
+    if hp["atoms"] == "shared":
+        theta, gains, mu, train_diag = train_keys_shared(
+            k[:, mx.array(key_train)], traditional, hp, **train_args
+        )
+    else:
+        theta, mu, train_diag = train_keys(k[:, mx.array(key_train)], traditional, hp, **train_args)
+        gains = None
+    if hp["atom_bits"] == 8:
+        # Ship the values the cache will hold, so the diagnostics below are the cache's.
+        theta = cb.dequantize_atoms(*cb.quantize_atoms(theta))
+    if gains is not None:
+        gains = gains.astype(mx.float16).astype(mx.float32)
+        theta_per_group = cb.apply_gains(theta, gains)
+    else:
+        theta_per_group = mx.repeat(theta, pool, axis=0)
 
-    # Values: product k-means per (layer, KV head), as VecInfer trains them.
+    # Values: product k-means per layer (pooling its KV heads) or per (layer, KV head), as
+    # VecInfer trains them.
+    vpool = n_heads if hp["value_share"] == "layer" else 1
     vres = product_kmeans(
-        v[:, mx.array(value_train)],
+        v[:, mx.array(value_train)].reshape(
+            n_layers * n_heads // vpool, vpool * len(value_train), head_dim
+        ),
         hp["value_sub_dim"],
         2 ** hp["value_bits"],
         max_vectors=hp["value_max_vectors"],
@@ -514,14 +792,14 @@ def calibrate(
     k_post = post(kh)
     power = (kh * kh).sum(-1).mean(axis=1)  # [G]
     stage_mse, stage_rel, stage_logit = [], [], []
-    for rec in reconstruct_keys(kh, mx.repeat(theta, pool, axis=0), mu, traditional):
+    for rec in reconstruct_keys(kh, theta_per_group, mu, traditional):
         e = kh - rec
         mse = (e * e).sum(-1).mean(axis=1) / head_dim  # per element
         stage_mse.append(mse)
         stage_rel.append(mse * head_dim / mx.maximum(power, 1e-30))
         stage_logit.append(logit_error(q, post(e), k_post))
     vh = v[:, hidx]
-    vb = vres.centroids
+    vb = mx.repeat(vres.centroids, vpool, axis=0)  # one codebook per group
     vrec = pq_decode(
         pq_encode(vh[None], vb, hp["value_sub_dim"], hp["value_bits"]),
         vb,
@@ -537,9 +815,13 @@ def calibrate(
         return x.reshape(n_layers, n_heads).mean(axis=1).tolist()
 
     tensors = {
-        "key_theta": theta.reshape(n_layers, n_heads // pool, n_stages, head_dim // 2, cb.ATOMS, 2),
-        "value_codebook": vb.reshape(n_layers, n_heads, 2 ** hp["value_bits"], hp["value_sub_dim"]),
+        "key_theta": theta.reshape(n_layers, n_heads // pool, *theta.shape[1:]),
+        "value_codebook": vres.centroids.reshape(
+            n_layers, n_heads // vpool, 2 ** hp["value_bits"], hp["value_sub_dim"]
+        ),
     }
+    if gains is not None:
+        tensors["key_gain"] = gains.reshape(n_layers, n_heads, n_stages, head_dim // 2, 2)
     if mu is not None:
         tensors["key_mean"] = mu.reshape(n_layers, n_heads, head_dim)
     mx.eval(tensors)
@@ -558,12 +840,14 @@ def calibrate(
         "stage_logit_rel_err": [float(x.mean().item()) for x in stage_logit],
         # Mean hard training error (unit-norm space) at each EM iteration, per stage.
         "em_history": [[float(v) for v in h] for h in train_diag["em_history"]],
+        # atoms="shared": the greedy training error after the per-stage fit, then each round.
+        "round_history": train_diag.get("round_history", []),
         "per_layer": {
             "key_rel_err": per_layer(stage_rel[-1]),
             "logit_rel_err": per_layer(stage_logit[-1]),
             "key_mean_share": per_layer(mean_share),
             "value_rel_mse": per_layer(v_rel),
-            "value_dead": vres.dead.reshape(n_layers, n_heads).sum(axis=1).tolist(),
+            "value_dead": vres.dead.reshape(n_layers, -1).sum(axis=1).tolist(),
         },
     }
     for name in ("key_rel_err", "logit_rel_err", "value_rel_mse"):
