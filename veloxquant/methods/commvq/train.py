@@ -134,7 +134,7 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
         bad("stages", "must be None or an integer >= 1")
     if not isinstance(hp["center"], bool):
         bad("center", "must be true or false")
-    for name in ("iters", "hard_iters"):
+    for name in ("iters", "hard_iters", "gain_iters", "rounds"):
         if (
             isinstance(hp[name], bool)
             or not isinstance(hp[name], (int, np.integer))
@@ -164,13 +164,6 @@ def check_hyperparameters(hp: dict[str, Any]) -> None:
         bad("value_share", "must be 'head' or 'layer'")
     if hp["atoms"] not in ("shared", "stage"):
         bad("atoms", "must be 'shared' (one atom set, per-stage gains) or 'stage' (θ per stage)")
-    for name in ("gain_iters", "rounds"):
-        if (
-            isinstance(hp[name], bool)
-            or not isinstance(hp[name], (int, np.integer))
-            or hp[name] < 0
-        ):
-            bad(name, "must be an integer >= 0")
     if hp["atoms"] == "shared" and hp["gain_iters"] < 1:
         bad("gain_iters", "must be >= 1 with atoms='shared' (each stage fits its gain)")
     if hp["pair_layout"] not in ("auto", "interleaved", "half"):
