@@ -282,9 +282,12 @@ class CommVQCache(CompressedCache):
 
     # -- keys: encode / decode (float32)
 
-    def encode_keys(self, keys: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+    def encode_keys(
+        self, keys: mx.array, offset: int, theta: mx.array | None = None
+    ) -> tuple[mx.array, mx.array]:
         """Post-RoPE keys [B, H, T, D] at positions offset.. → (packed codes
-        [B, H, T, bytes] uint8, fp16 scales [B, H, T])."""
+        [B, H, T, bytes] uint8, fp16 scales [B, H, T]). theta: `stage_theta()`, when the
+        caller already built it."""
         b, h, t, d = keys.shape
         x = self._rope(keys.astype(mx.float32), offset, inverse=True)
         if self.key_mean is not None:
@@ -292,7 +295,7 @@ class CommVQCache(CompressedCache):
         scales = mx.sqrt((x * x).sum(axis=-1)).astype(mx.float16)
         _check_finite(scales, "keys to encode")
         x = x / mx.maximum(scales.astype(mx.float32), 1e-30)[..., None]
-        theta = self.stage_theta()
+        theta = self.stage_theta() if theta is None else theta
         g = int(theta.shape[0])  # h, or 1 when the layer's heads share θ
         pairs = cb.to_pairs(
             x.transpose(1, 0, 2, 3).reshape(g, h // g * b * t, d), self.rope_traditional
@@ -301,11 +304,13 @@ class CommVQCache(CompressedCache):
         codes = codes.reshape(h, b, t, -1).transpose(1, 0, 2, 3)
         return pack12(codes), scales
 
-    def decode_keys(self, packed: mx.array, scales: mx.array, offset: int) -> mx.array:
+    def decode_keys(
+        self, packed: mx.array, scales: mx.array, offset: int, theta: mx.array | None = None
+    ) -> mx.array:
         """Inverse of `encode_keys` up to the quantization: post-RoPE keys [B, H, T, D]."""
         b, h, t, _ = packed.shape
         r = self.stages
-        theta = self.stage_theta()
+        theta = self.stage_theta() if theta is None else theta
         g = int(theta.shape[0])
         codes = unpack12(packed, r).transpose(1, 0, 2, 3).reshape(g, h // g * b * t, r)
         table = cb.gather_table(theta)
@@ -341,10 +346,14 @@ class CommVQCache(CompressedCache):
             recent_k = mx.concatenate([self.window_keys.astype(mx.float32), recent_k], axis=2)
             recent_v = mx.concatenate([self.window_values.astype(mx.float32), recent_v], axis=2)
         n_coded = 0 if self.key_codes is None else self.key_codes.shape[2]
+        n_old = recent_k.shape[2] - self.window
+        # Every stage's θ, rebuilt once per call for the decode and the encode below.
+        theta = self.stage_theta() if n_coded or n_old > 0 else None
         # Transient dequantization of the coded past; attention sees it, nothing keeps it.
         if n_coded:
             out_k = mx.concatenate(
-                [self.decode_keys(self.key_codes, self.key_scales, self.sinks), recent_k], axis=2
+                [self.decode_keys(self.key_codes, self.key_scales, self.sinks, theta), recent_k],
+                axis=2,
             )
             out_v = mx.concatenate([self.decode_values(self.value_codes), recent_v], axis=2)
         else:
@@ -352,10 +361,9 @@ class CommVQCache(CompressedCache):
         if out_sk is not None:
             out_k = mx.concatenate([out_sk, out_k], axis=2)
             out_v = mx.concatenate([out_sv, out_v], axis=2)
-        n_old = recent_k.shape[2] - self.window
         if n_old > 0:
             # Coded tokens are contiguous from position `sinks`: these start at sinks + n_coded.
-            new_kc, new_ks = self.encode_keys(recent_k[:, :, :n_old], self.sinks + n_coded)
+            new_kc, new_ks = self.encode_keys(recent_k[:, :, :n_old], self.sinks + n_coded, theta)
             new_vc = self.encode_values(recent_v[:, :, :n_old])
             if self.key_codes is None:
                 self.key_codes, self.key_scales, self.value_codes = new_kc, new_ks, new_vc

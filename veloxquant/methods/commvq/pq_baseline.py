@@ -55,7 +55,9 @@ class PreRopePQCache(CommVQCache):
     """CommVQCache with the keys coded by plain product VQ in the pre-RoPE space."""
 
     array_names = ("key_codebook",) + tuple(
-        n for n in CommVQCache.array_names if n not in ("theta", "key_scales")
+        n
+        for n in CommVQCache.array_names
+        if n not in ("theta", "theta_scale", "key_gain", "key_scales")
     )
 
     def __init__(
@@ -96,13 +98,18 @@ class PreRopePQCache(CommVQCache):
     def n_heads(self) -> int:
         return int(self.key_codebook.shape[0])
 
-    def encode_keys(self, keys: mx.array, offset: int) -> tuple[mx.array, None]:
+    def stage_theta(self) -> None:
+        return None  # plain PQ has no θ
+
+    def encode_keys(self, keys: mx.array, offset: int, theta: None = None) -> tuple[mx.array, None]:
         x = self._rope(keys.astype(mx.float32), offset, inverse=True)
         if self.key_mean is not None:
             x = x - self.key_mean[None, :, None, :]
         return pq_encode(x, self.key_codebook, self.key_sub_dim, self.key_bits), None
 
-    def decode_keys(self, packed: mx.array, scales: None, offset: int) -> mx.array:
+    def decode_keys(
+        self, packed: mx.array, scales: None, offset: int, theta: None = None
+    ) -> mx.array:
         x = pq_decode(packed, self.key_codebook, self.key_sub_dim, self.key_bits, self.head_dim)
         if self.key_mean is not None:
             x = x + self.key_mean[None, :, None, :]
