@@ -49,6 +49,22 @@ def results(smollm2, window) -> dict[str, dict]:
     return {r["name"]: r for r in out}
 
 
+def test_fp16_row_takes_the_reference_numbers_exactly(smollm2, window, results):
+    """The fp16 row is not run again: it takes the reference's sums. The same cache run as a
+    row of its own (a `make` row is never treated as the reference) gives the same numbers
+    bit for bit, and the same resident bytes."""
+    from veloxquant.config import KVCacheConfig, make_cache
+
+    model, _ = smollm2
+    plain = lambda m: make_cache(m, KVCacheConfig(method="fp16"))  # noqa: E731
+    (ran,) = evaluate_rows(
+        model, window, [{"name": "fp16-run", "make": plain}], PREFILL, CHUNK, progress=False
+    )
+    for key in ("ppl", "ppl_all", "kl", "kl_all", "top1", "kv_bytes", "kv_bits_per_element"):
+        assert ran[key] == results["fp16"][key], key
+    assert ran["kl"] == 0.0 and ran["top1"] == 1.0
+
+
 def test_fp16_row_matches_reference_and_full_forward(smollm2, window, results):
     model, _ = smollm2
     fp16 = results["fp16"]

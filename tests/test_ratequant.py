@@ -537,6 +537,25 @@ def test_calibration_artifact_on_real_model(calibrated, smollm2, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_validation_is_a_diagnostic_only(calibrated, smollm2, smollm2_dir):
+    """The noise validation (off by default, on in the full experiment) adds its diagnostics
+    and changes no tensor: the Fisher average holds out the last window either way."""
+    art, root = calibrated
+    model, _ = smollm2
+    hp = ratequant.METHOD.hyperparameters(
+        {"fisher_windows": 2, "fisher_tokens": 256, "validate_units": 2, "validate_tokens": 64}
+    )
+    inputs = CalibrationInputs(root / "capture", smollm2_dir, root / "calib.safetensors")
+    tensors, diag = ratequant.METHOD.calibrate(inputs, ModelDims.of(model), hp, False)
+    assert set(tensors) == set(art.tensors)
+    for name, value in art.tensors.items():
+        np.testing.assert_array_equal(tensors[name], value, err_msg=name)
+    assert diag["fisher_windows"] == art.diagnostics["fisher_windows"]
+    assert art.diagnostics["validation"] == {"units": 0}
+    assert len(diag["validation"]["units"]) == 2
+    assert np.isfinite(diag["validation"]["noise_kl_over_sigma2"]).all()
+
+
 def test_quality_ordering_ratequant_proxy_uniform(calibrated, smollm2, eval_text):
     """At b̄ = 3 (2.5 code bits at G = 64): KL(RateQuant) < KL(proxy) <= KL(uniform)."""
     from veloxquant.evaluate import evaluate_rows

@@ -52,6 +52,7 @@ from veloxquant.io import atomic_path, write_bytes_atomic, write_json_atomic
 
 CONFIG_FIELDS = tuple(f.name for f in dataclass_fields(KVCacheConfig))
 REFERENCE = KVCacheConfig(method="fp16")
+REFERENCE_ROW = REFERENCE.to_dict()
 # Numeric result keys written to the DVC metrics JSON.
 METRIC_KEYS = (
     "ppl",
@@ -195,18 +196,24 @@ def evaluate_rows(
     if len(set(names)) != len(names):
         raise ValueError(f"Row names must be unique; got {names}.")
 
+    # A row configured exactly as the reference (a plain fp16 KVCache) would run the same
+    # forward passes on the same inputs, so it takes the reference's numbers instead.
+    twins = {r for r, row in enumerate(rows) if "make" not in row and built[r][1] == REFERENCE_ROW}
     # Caches: per row, one list of per-layer caches per window (ours), or one list with the
     # windows as its batch (mlx-lm's). Units are what one forward runs: a group of our rows,
     # or one other row.
     per_row: list[list[list]] = []
-    for _, _, make in built:
+    for r, (_, _, make) in enumerate(built):
+        if r in twins:
+            per_row.append([])
+            continue
         first = make(model)
         if all(isinstance(c, CompressedCache) for c in first):
             per_row.append([first] + [make(model) for _ in range(n_windows - 1)])
         else:
             per_row.append([first])
     group = max(1, batch_tokens // (n_windows * max(prefill, chunk)))
-    ours = [r for r, c in enumerate(per_row) if isinstance(c[0][0], CompressedCache)]
+    ours = [r for r, c in enumerate(per_row) if c and isinstance(c[0][0], CompressedCache)]
 
     def batched(members: list[int]) -> list:
         return [
@@ -217,7 +224,7 @@ def evaluate_rows(
     units = [
         (ours[g : g + group], batched(ours[g : g + group])) for g in range(0, len(ours), group)
     ]
-    units += [([r], per_row[r][0]) for r in range(len(built)) if r not in ours]
+    units += [([r], per_row[r][0]) for r in range(len(built)) if r not in ours and r not in twins]
     units.sort(key=lambda u: u[0][0])
 
     tokens = mx.array(windows.astype(np.int32))
@@ -242,6 +249,15 @@ def evaluate_rows(
         ref_nll = -mx.take_along_axis(ref_logp, tgt[..., None], axis=-1).sum()
         mx.eval(ref_logp, ref_top, ref_p, ref_nll, [c.state for c in ref_caches])
         _add(ref, float(ref_nll.item()), 0.0, 0.0, n_pred * n_windows, after_prefill)
+        for r in twins:
+            _add(
+                sums[r],
+                float(ref_nll.item()),
+                0.0,
+                float(n_pred * n_windows),
+                n_pred * n_windows,
+                after_prefill,
+            )
         for u, (members, caches) in enumerate(units):
             bar.set_postfix_str(names[members[0]], refresh=False)
             if share_prefill and start == 0 and members[0] in ours:
@@ -283,6 +299,8 @@ def evaluate_rows(
     bar.close()
     elements = _kv_elements(ref_caches)  # what one uncompressed window holds
     for r, caches in enumerate(per_row):
+        if r in twins:
+            caches = [ref_caches]
         if r in ours:
             per_window = [_nbytes(c) for c in caches]
         else:  # one batched cache: every window holds the same arrays

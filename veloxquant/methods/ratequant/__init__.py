@@ -8,9 +8,9 @@ capture (k_post, v):
 1. importance w [L, H_kv, 2] (fisher.py): one backward pass per calibration window through
    zero perturbations on every layer's cached K and V, fed the way the runtime serves them
    (chunks, fp16 window and sinks unperturbed) and weighted by the KIVI group range, so that
-   w·d is the loss a distortion d costs; validated on a subset of units against forward-only
-   noise injection (Spearman rank correlation in the diagnostics). The cheap proxy E‖x‖² per
-   unit is stored beside it for the ablation.
+   w·d is the loss a distortion d costs; with validate_units > 0 (the full experiment), checked
+   on a subset of units against forward-only noise injection (Spearman rank correlation in the
+   diagnostics). The cheap proxy E‖x‖² per unit is stored beside it for the ablation.
 2. distortion d(b) [L, H_kv, 2, 8] (alloc.py): E‖x − Q_b(x)‖² with the runtime quantizer (same
    G; keys per channel in blocks of G tokens, values per token in groups of G channels) on
    the captured k_post / v, at every width 1-8; fit ln d = ln α − b ln β over the allowed
@@ -19,7 +19,7 @@ capture (k_post, v):
 3. stream response `stream_kl` [2, n_allowed] (fisher.py): the KL per token when only the
    keys, or only the values, carry the runtime's KIVI error at each allowed width, on
    `response_tokens` of the last calibration window (held out of the Fisher average when
-   validate_units > 0 and there are several windows). It rescales each stream's curves
+   there are several windows). It rescales each stream's curves
    by κ_s(b) = measured / Σ w·d(b) (the second-order model underestimates 1-2 bit errors
    and weighs keys against values only approximately), and a width costing a stream more
    than `max_stream_kl` nats/token is not admissible for it (on SmolLM2: keys at 1 bit,
@@ -95,7 +95,7 @@ DEFAULTS: dict[str, Any] = {
     "fisher_mode": "runtime",  # or "plain": whole window in one call, every key perturbed
     "fisher_chunk": 64,  # tokens per call in runtime mode
     "range_weighted": True,
-    "validate_units": 12,  # units checked against noise injection (0: skip)
+    "validate_units": 0,  # units checked against noise injection (0: skip; full experiment: 12)
     "validate_tokens": 512,
     "noise_sigma": 0.1,  # noise RMS relative to the head's RMS
     "noise_draws": 1,
@@ -257,8 +257,9 @@ def calibrate(
         )
     layout = {"mode": hp["fisher_mode"], "window": window, "sinks": sinks, "group_size": g}
     n_val = int(hp["validate_units"])
-    # The validation window is held out of the Fisher average when there is more than one.
-    pool = windows.shape[0] - 1 if n_val and windows.shape[0] > 1 else windows.shape[0]
+    # The last window (the stream response's and the validation's) is held out of the Fisher
+    # average when there is more than one, whether or not the validation runs.
+    pool = windows.shape[0] - 1 if windows.shape[0] > 1 else windows.shape[0]
     picks = _evenly_spaced(pool, hp["fisher_windows"])
     w, w_sq, timing = fisher.fisher_importance(
         model,
@@ -307,8 +308,7 @@ def calibrate(
         }
 
     t0 = time.perf_counter()
-    # The last calibration window: held out of the Fisher average when validating (and there
-    # is more than one window).
+    # The last calibration window: held out of the Fisher average (when there is more than one).
     stream_kl = fisher.stream_response(
         model,
         windows[-1, : hp["response_tokens"]],
