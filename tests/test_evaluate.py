@@ -222,3 +222,11 @@ def test_batched_evaluation_equals_one_window_and_one_row_at_a_time(tiny):
     for a, b in zip(batched, ran, strict=True):
         for key in ("ppl", "ppl_all", "kl", "kl_all", "top1", "kv_bytes"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=2e-4), (a["name"], key)
+    # Running the units side by side on the CPU's lanes (two streams) is bit for bit the same
+    # as one after the other: each unit's arithmetic does not depend on the stream it runs on.
+    one_lane = evaluate_rows(
+        model, windows, rows, prefill=40, chunk=16, progress=False, batch_tokens=400, lanes=1
+    )
+    for a, b in zip(batched, one_lane, strict=True):
+        for key in ("ppl", "ppl_all", "kl", "kl_all", "top1", "kv_bytes"):
+            assert a[key] == b[key], (a["name"], key)

@@ -64,3 +64,28 @@ def default_dtype() -> str:
     if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
         return "float16"
     return "float32"
+
+
+_lane_streams: list = []
+
+
+def cpu_lanes(n: int = 2) -> list:
+    """Streams on which independent pieces of work (eval rows, sequences) run side by side.
+
+    MLX runs each stream's operations on a thread of its own, and on the CPU its elementwise
+    and reduction operations are single-threaded: the softmax's exp alone is 60% of a SmolLM2
+    forward pass here, so one stream leaves the second core idle outside OpenBLAS's GEMMs.
+    OpenBLAS keeps its thread count (its float sums depend on it), so each piece of work gives
+    the same bits on any lane. On a GPU, or with one core, there is one lane: the default
+    stream. Callers evaluate the lanes' work together and combine the results in a fixed order.
+    """
+    import mlx.core as mx
+
+    if n < 1:
+        raise ValueError(f"cpu_lanes needs n >= 1, got {n}")
+    n = min(n, os.cpu_count() or 1)
+    if mx.default_device() != mx.cpu or n == 1:
+        return [mx.default_stream(mx.default_device())]
+    while len(_lane_streams) < n - 1:  # created once: a stream lives as long as the process
+        _lane_streams.append(mx.new_stream(mx.cpu))
+    return [mx.default_stream(mx.cpu), *_lane_streams[: n - 1]]

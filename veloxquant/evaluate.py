@@ -47,6 +47,7 @@ import numpy as np
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
+from veloxquant._platform import cpu_lanes
 from veloxquant.config import KVCacheConfig, make_cache
 from veloxquant.io import atomic_path, write_bytes_atomic, write_json_atomic
 
@@ -151,6 +152,7 @@ def evaluate_rows(
     progress: bool = True,
     batch_tokens: int = 6144,
     share_prefill: bool = True,
+    lanes: int = 2,
 ) -> list[dict]:
     """Evaluate every row on every window against the fp16 `KVCache` reference.
 
@@ -166,6 +168,9 @@ def evaluate_rows(
     (every veloxquant cache: the call's own tokens are attended at full precision) reuses the
     reference's prefill instead of running the model again (checked per layer, see
     `_prefill_from_reference`).
+    A row configured as the reference itself (`method="fp16"` and nothing else) takes the
+    reference's numbers without running again. On the CPU, `lanes` units run side by side on
+    that many streams (`veloxquant._platform.cpu_lanes`), with the same metrics bit for bit.
     Other caches (mlx-lm's) take the windows as their own batch dimension. Metrics equal those
     of feeding one window and one row at a time up to float rounding (tests/test_evaluate.py).
     """
@@ -227,6 +232,7 @@ def evaluate_rows(
     units += [([r], per_row[r][0]) for r in range(len(built)) if r not in ours and r not in twins]
     units.sort(key=lambda u: u[0][0])
 
+    lanes = cpu_lanes(lanes)  # rows side by side on the CPU's cores
     tokens = mx.array(windows.astype(np.int32))
     # The last token is fed too (its logits predict nothing) so the caches end holding the
     # whole window, as after generating it.
@@ -238,6 +244,23 @@ def evaluate_rows(
     bar = tqdm(
         total=len(units) * len(segments), desc="evaluate", unit="chunk", disable=not progress
     )
+
+    def flush(pending: list[tuple], n: int, after_prefill: bool) -> None:
+        """Evaluate the units built on the lanes together, then add up their metrics."""
+        mx.eval([p[1:4] for p in pending], [c.state for p in pending for c in p[4]])
+        for members, nll, kl, agree, _ in pending:
+            for k, r in enumerate(members):
+                _add(
+                    sums[r],
+                    float(nll[k].item()),
+                    float(kl[k].item()),
+                    float(agree[k].item()),
+                    n,
+                    after_prefill,
+                )
+            bar.update(1)
+        pending.clear()
+
     for start, end in segments:
         n_pred = min(end, seq_len - 1) - start
         after_prefill = start >= prefill
@@ -258,6 +281,7 @@ def evaluate_rows(
                 n_pred * n_windows,
                 after_prefill,
             )
+        pending: list[tuple] = []  # units built on a lane, evaluated together
         for u, (members, caches) in enumerate(units):
             bar.set_postfix_str(names[members[0]], refresh=False)
             if share_prefill and start == 0 and members[0] in ours:
@@ -279,23 +303,18 @@ def evaluate_rows(
                     per_row[r] = [built[r][2](model) for _ in range(n_windows)]
                 caches = batched(members)
                 units[u] = (members, caches)
-            xb = mx.concatenate([x] * len(members), axis=0)
-            logp = _log_softmax(model(xb, cache=caches)[:, :n_pred])
-            logp = logp.reshape(len(members), n_windows, *logp.shape[1:])
-            nll = -mx.take_along_axis(logp, tgt[None, ..., None], axis=-1).sum(axis=(1, 2, 3))
-            kl = (ref_p[None] * (ref_logp[None] - logp)).sum(axis=(1, 2, 3))
-            agree = (mx.argmax(logp, axis=-1) == ref_top[None]).sum(axis=(1, 2))
-            mx.eval(nll, kl, agree, [c.state for c in caches])
-            for k, r in enumerate(members):
-                _add(
-                    sums[r],
-                    float(nll[k].item()),
-                    float(kl[k].item()),
-                    float(agree[k].item()),
-                    n_pred * n_windows,
-                    after_prefill,
-                )
-            bar.update(1)
+            # Each unit keeps its lane, so a cache's state stays on one stream.
+            with mx.stream(lanes[u % len(lanes)]):
+                xb = mx.concatenate([x] * len(members), axis=0)
+                logp = _log_softmax(model(xb, cache=caches)[:, :n_pred])
+                logp = logp.reshape(len(members), n_windows, *logp.shape[1:])
+                nll = -mx.take_along_axis(logp, tgt[None, ..., None], axis=-1).sum(axis=(1, 2, 3))
+                kl = (ref_p[None] * (ref_logp[None] - logp)).sum(axis=(1, 2, 3))
+                agree = (mx.argmax(logp, axis=-1) == ref_top[None]).sum(axis=(1, 2))
+            pending.append((members, nll, kl, agree, caches))
+            if len(pending) == len(lanes):
+                flush(pending, n_pred * n_windows, after_prefill)
+        flush(pending, n_pred * n_windows, after_prefill)
     bar.close()
     elements = _kv_elements(ref_caches)  # what one uncompressed window holds
     for r, caches in enumerate(per_row):
