@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from veloxquant._platform import cpu_lanes
 from veloxquant.io import (
     SafetensorsError,
     parse_safetensors_header,
@@ -204,16 +205,20 @@ def capture_activations(
     progress: bool = True,
     *,
     data_sha256: str | None = None,
+    lanes: int = 2,
 ) -> dict:
-    """Run `model` over `tokens` [N, S] one sequence at a time and write the capture dir.
+    """Run `model` over `tokens` [N, S] sequence by sequence and write the capture dir.
 
     Exact per-channel stats cover every token; activations are kept only for the
     n = min(token_budget, N*S) tokens sampled up front, in preallocated float16 buffers.
-    Returns the summary that is also written to capture.json.
+    Returns the summary that is also written to capture.json. On the CPU, `lanes` sequences
+    run side by side on that many streams (`veloxquant._platform.cpu_lanes`), with the same
+    bytes written.
     """
     from tqdm import tqdm
 
     tokens = _check_inputs(model, tokens, token_budget)
+    lanes = cpu_lanes(lanes)
     num_seqs, seq_len = tokens.shape
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -226,52 +231,68 @@ def capture_activations(
     buffers: list[dict[str, np.ndarray]] = [{} for _ in range(num_layers)]
     sums: dict[str, np.ndarray] = {}  # {name}.{sum|sq_sum|absmax} -> float64 [L, H, D]
 
-    with record_attention(model) as ropes:
-        for s in tqdm(range(num_seqs), desc="capture", unit="seq", disable=not progress):
-            lo, hi = int(bounds[s]), int(bounds[s + 1])
-            local = mx.array((chosen[lo:hi] - s * seq_len).astype(np.int32))
-            caches = recording_caches(ropes)
-            # Only the captured tensors are evaluated; the unused logits graph is dropped.
-            model(mx.array(tokens[s : s + 1]), cache=caches)
-            if any(len(c.records) != 1 for c in caches):
-                raise RuntimeError(
-                    "expected one attention call per layer per forward pass; "
-                    "this model's layout is not supported by capture."
-                )
-            outputs = [
-                {
-                    name: _reduce(cache.records[0][name][0], local if hi > lo else None)
-                    for name in NAMES
-                }
-                for cache in caches
-            ]
-            mx.eval([[t for v in o.values() for t in v if t is not None] for o in outputs])
-            positions[lo:hi] = np.array(local) + caches[0].records[0]["offset"]
-            del caches
+    def forward(s: int, ropes: list[RecordingRoPE]) -> list[dict]:
+        """Sequence s's forward pass, lazily: what each layer's attention was fed."""
+        caches = recording_caches(ropes)
+        # Only the captured tensors are evaluated; the unused logits graph is dropped.
+        model(mx.array(tokens[s : s + 1]), cache=caches)
+        if any(len(c.records) != 1 for c in caches):
+            raise RuntimeError(
+                "expected one attention call per layer per forward pass; "
+                "this model's layout is not supported by capture."
+            )
+        return [c.records[0] for c in caches]
 
-            for i, layer_out in enumerate(outputs):
-                for name, (x_sum, x_sq, x_max, sample) in layer_out.items():
-                    x_sum, x_sq, x_max = (np.array(a, np.float64) for a in (x_sum, x_sq, x_max))
-                    # Non-finite values poison sum and absmax, so checking those is enough.
-                    if not (np.isfinite(x_sum).all() and np.isfinite(x_max).all()):
-                        raise FloatingPointError(
-                            f"NaN/Inf in layer {i} {name} (sequence {s}); nothing was written. "
-                            "Check the model weights/dtype (float16 overflow?)."
-                        )
-                    if x_max.max() > _FP16_MAX:
-                        raise OverflowError(
-                            f"layer {i} {name} reaches |x| = {x_max.max():.4g} (sequence {s}), "
-                            "beyond float16 storage; capture cannot store it losslessly."
-                        )
-                    if s == 0:  # shapes are known once the first sequence has run
-                        for key in ("sum", "sq_sum", "absmax"):
-                            sums.setdefault(f"{name}.{key}", np.zeros((num_layers,) + x_sum.shape))
-                        buffers[i][name] = np.empty((len(chosen),) + x_sum.shape, np.float16)
-                    sums[f"{name}.sum"][i] += x_sum
-                    sums[f"{name}.sq_sum"][i] += x_sq
-                    np.maximum(sums[f"{name}.absmax"][i], x_max, out=sums[f"{name}.absmax"][i])
-                    if sample is not None:
-                        buffers[i][name][lo:hi] = np.array(sample)
+    def accumulate(s: int, records: list[dict]) -> None:
+        lo, hi = int(bounds[s]), int(bounds[s + 1])
+        local = mx.array((chosen[lo:hi] - s * seq_len).astype(np.int32))
+        outputs = [
+            {name: _reduce(rec[name][0], local if hi > lo else None) for name in NAMES}
+            for rec in records
+        ]
+        mx.eval([[t for v in o.values() for t in v if t is not None] for o in outputs])
+        positions[lo:hi] = np.array(local) + records[0]["offset"]
+        for i, layer_out in enumerate(outputs):
+            for name, (x_sum, x_sq, x_max, sample) in layer_out.items():
+                x_sum, x_sq, x_max = (np.array(a, np.float64) for a in (x_sum, x_sq, x_max))
+                # Non-finite values poison sum and absmax, so checking those is enough.
+                if not (np.isfinite(x_sum).all() and np.isfinite(x_max).all()):
+                    raise FloatingPointError(
+                        f"NaN/Inf in layer {i} {name} (sequence {s}); nothing was written. "
+                        "Check the model weights/dtype (float16 overflow?)."
+                    )
+                if x_max.max() > _FP16_MAX:
+                    raise OverflowError(
+                        f"layer {i} {name} reaches |x| = {x_max.max():.4g} (sequence {s}), "
+                        "beyond float16 storage; capture cannot store it losslessly."
+                    )
+                if s == 0:  # shapes are known once the first sequence has run
+                    for key in ("sum", "sq_sum", "absmax"):
+                        sums.setdefault(f"{name}.{key}", np.zeros((num_layers,) + x_sum.shape))
+                    buffers[i][name] = np.empty((len(chosen),) + x_sum.shape, np.float16)
+                sums[f"{name}.sum"][i] += x_sum
+                sums[f"{name}.sq_sum"][i] += x_sq
+                np.maximum(sums[f"{name}.absmax"][i], x_max, out=sums[f"{name}.absmax"][i])
+                if sample is not None:
+                    buffers[i][name][lo:hi] = np.array(sample)
+
+    # The forward passes of `lanes` sequences run side by side on the CPU's cores; the
+    # reductions then run on the default stream, one sequence after the other in order (MLX's
+    # CPU reductions on two streams at once ran slower than one after the other), so the
+    # capture is the same bytes for any number of lanes.
+    with record_attention(model) as ropes:
+        bar = tqdm(total=num_seqs, desc="capture", unit="seq", disable=not progress)
+        for first in range(0, num_seqs, len(lanes)):
+            batch = {}
+            for k, s in enumerate(range(first, min(first + len(lanes), num_seqs))):
+                with mx.stream(lanes[k]):
+                    batch[s] = forward(s, ropes)
+            mx.eval([[rec[name] for rec in recs for name in NAMES] for recs in batch.values()])
+            for s, records in batch.items():
+                accumulate(s, records)
+                bar.update(1)
+            del batch
+        bar.close()
 
     seen = num_seqs * seq_len
     meta = {"format": FORMAT}
