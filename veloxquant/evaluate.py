@@ -271,16 +271,10 @@ def evaluate_rows(
         ref_p = mx.exp(ref_logp)
         ref_nll = -mx.take_along_axis(ref_logp, tgt[..., None], axis=-1).sum()
         mx.eval(ref_logp, ref_top, ref_p, ref_nll, [c.state for c in ref_caches])
-        _add(ref, float(ref_nll.item()), 0.0, 0.0, n_pred * n_windows, after_prefill)
+        ref_total = float(ref_nll.item())
+        _add(ref, ref_total, 0.0, 0.0, n_pred * n_windows, after_prefill)
         for r in twins:
-            _add(
-                sums[r],
-                float(ref_nll.item()),
-                0.0,
-                float(n_pred * n_windows),
-                n_pred * n_windows,
-                after_prefill,
-            )
+            _add_reference(sums[r], ref_total, n_pred * n_windows, after_prefill)
         pending: list[tuple] = []  # units built on a lane, evaluated together
         for u, (members, caches) in enumerate(units):
             bar.set_postfix_str(names[members[0]], refresh=False)
@@ -289,14 +283,7 @@ def evaluate_rows(
                     # The row's caches returned the reference's keys and values unchanged in
                     # every layer, so its prefill logits are the reference's, bit for bit.
                     for r in members:
-                        _add(
-                            sums[r],
-                            float(ref_nll.item()),
-                            0.0,
-                            float(n_pred * n_windows),
-                            n_pred * n_windows,
-                            after_prefill,
-                        )
+                        _add_reference(sums[r], ref_total, n_pred * n_windows, after_prefill)
                     bar.update(1)
                     continue
                 for r in members:  # start over with fresh caches and run the model
@@ -380,6 +367,11 @@ def _add(acc: _Sums, nll: float, kl: float, agree: float, n: int, after_prefill:
         acc.kl_after += kl
         acc.top1 += agree
         acc.n_after += n
+
+
+def _add_reference(acc: _Sums, nll: float, n: int, after_prefill: bool) -> None:
+    """Add the reference's own numbers for n predictions: its nll, no KL, every top-1 agreed."""
+    _add(acc, nll, 0.0, float(n), n, after_prefill)
 
 
 # --------------------------------------------------------------------------- outputs
