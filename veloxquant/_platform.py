@@ -73,8 +73,9 @@ def cpu_lanes(n: int = 2) -> list:
     """Streams on which independent pieces of work (eval rows, sequences) run side by side.
 
     MLX runs each stream's operations on a thread of its own, and on the CPU its elementwise
-    and reduction operations are single-threaded: the softmax's exp alone is 60% of a SmolLM2
-    forward pass here, so one stream leaves the second core idle outside OpenBLAS's GEMMs.
+    and reduction operations are single-threaded (the softmax's exp is most of a forward pass,
+    benchmarks/results/pipeline-time-cpu.md), so one stream leaves the other cores idle outside
+    OpenBLAS's GEMMs.
     OpenBLAS keeps its thread count (its float sums depend on it), so each piece of work gives
     the same bits on any lane. On a GPU, or with one core, there is one lane: the default
     stream. Callers evaluate the lanes' work together and combine the results in a fixed order.
