@@ -147,8 +147,8 @@ def check_attention(args, log: list) -> bool:
             ref = K.reference_attention(c, q.astype(mx.float32), 1 / math.sqrt(d), None, pend)
             for r in (1, 2, 4):
                 K.TOKENS_PER_THREAD = r
-                out = K.decode_attention(c, q, 1 / math.sqrt(d), pend)
-                out32 = K.decode_attention(c, q.astype(mx.float32), 1 / math.sqrt(d), pend)
+                out, _ = K.decode_attention(c, q, 1 / math.sqrt(d), pend)
+                out32, _ = K.decode_attention(c, q.astype(mx.float32), 1 / math.sqrt(d), pend)
                 err = float(mx.abs(out32 - ref).max())
                 err16 = float(mx.abs(out.astype(mx.float32) - ref).max())
                 scale = float(mx.abs(ref).max())
@@ -306,11 +306,12 @@ def bench_context(args, n_coded: int) -> dict:
     ]
     mx.eval(qs, news, kv)
 
-    def fused(r: int):
+    def fused(r: int, groups: int):
         def run():
             K.TOKENS_PER_THREAD = r
+            K.TARGET_GROUPS = groups
             outs = [
-                K.decode_attention(caches[i % args.sets], qs[i], scale, pend[i % args.sets])
+                K.decode_attention(caches[i % args.sets], qs[i], scale, pend[i % args.sets])[0]
                 for i in range(layers)
             ]
             mx.eval(outs)
@@ -327,7 +328,7 @@ def bench_context(args, n_coded: int) -> dict:
         mx.eval([b["partial"] + b["combine_extra"] for b in built])
 
         def run():
-            mx.eval([K.launch_attention(built[i], qs[i]) for i in range(layers)])
+            mx.eval([K.launch_attention(built[i], qs[i])[0] for i in range(layers)])
 
         return run
 
@@ -357,7 +358,11 @@ def bench_context(args, n_coded: int) -> dict:
         ]
         mx.eval(outs)
 
-    arms = {f"fused_r{r}": fused(r) for r in args.tokens_per_thread}
+    default_groups = K.TARGET_GROUPS
+    arms = {}
+    for groups in args.target_groups or [default_groups]:
+        tag = "" if groups == default_groups else f"_g{groups}"
+        arms.update({f"fused_r{r}{tag}": fused(r, groups) for r in args.tokens_per_thread})
     arms[f"prebuilt_r{args.tokens_per_thread[-1]}"] = prebuilt(args.tokens_per_thread[-1])
     arms["sdpa_bf16"] = sdpa
     arms["encode_1tok"] = encode
@@ -365,6 +370,7 @@ def bench_context(args, n_coded: int) -> dict:
         arms["reference_mlx"] = reference
     times = time_arms(arms, args.repeats)
     K.TOKENS_PER_THREAD = 4
+    K.TARGET_GROUPS = default_groups
     per_call = {k: [t / layers for t in v] for k, v in times.items()}
     code_bytes_read = n_coded * h * (caches[0].key_codes.shape[3] + caches[0].value_codes.shape[3])
     row = {"n_coded": n_coded, "context": total, "per_layer_s": per_call}
@@ -389,6 +395,13 @@ def main() -> None:
     p.add_argument("--sets", type=int, default=4, help="distinct caches rotated over")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--tokens-per-thread", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument(
+        "--target-groups",
+        type=int,
+        nargs="+",
+        default=None,
+        help="threadgroups the split aims for (default: the library's TARGET_GROUPS)",
+    )
     p.add_argument("--reference", action="store_true", help="also time the pure-MLX twin")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--out", default=None)

@@ -177,9 +177,12 @@ def _pending_after_one_token(caches: list, layer: int, seed: int):
     return c, pending, q
 
 
-def _emulated_attention(backend: str, cache, q, pending, r: int) -> np.ndarray:
+def _emulated_attention(backend: str, cache, q, pending, r: int):
+    """(output [1, H_q, 1, D], the leaving token's (key, value) codes or None), as
+    `K.launch_attention` computes them, with the kernels run by the emulator."""
     a = K.attention_inputs(cache, q, 1 / math.sqrt(q.shape[-1]), pending, r=r)
-    partial, combine = K.attention_kernel_sources(a["layout"], mx.float32, r)
+    lay = a["layout"]
+    partial, combine = K.attention_kernel_sources(lay, mx.float32, r)
     n_q, d = q.shape[1], q.shape[3]
     ns = a["n_splits"] + 1
     shapes = [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)]
@@ -187,8 +190,24 @@ def _emulated_attention(backend: str, cache, q, pending, r: int) -> np.ndarray:
         partial, backend, [np.array(x) for x in a["partial"]], a["groups"], shapes, ["float32"] * 3
     )
     extra = [np.array(x) for x in a["combine_extra"]]
-    (out,) = emu.run(combine, backend, parts + extra, (n_q, 1, 1), [(n_q * d,)], ["float32"])
-    return out.reshape(1, n_q, 1, d)
+    if not a["encode"]:
+        (out,) = emu.run(combine, backend, parts + extra, (n_q, 1, 1), [(n_q * d,)], ["float32"])
+        return out.reshape(1, n_q, 1, d), None
+    h = lay.n_kv_heads
+    out, kc, vc = emu.run(
+        K.combine_encode_kernel_source(lay, mx.float32),
+        backend,
+        parts + extra,
+        (n_q + h, 1, 1),
+        [(n_q * d,), (1, h, 1, lay.key_bytes), (1, h, 1, lay.value_bytes)],
+        ["float32", "uint8", "uint8"],
+    )
+    return out.reshape(1, n_q, 1, d), (kc, vc)
+
+
+def _code_agreement(got: np.ndarray, want: mx.array, bits: int, n_sub: int) -> float:
+    got_codes = np.array(unpack_codes(mx.array(got), bits, n_sub))
+    return float((got_codes == np.array(unpack_codes(want, bits, n_sub))).mean())
 
 
 @needs_cxx
@@ -207,9 +226,22 @@ def test_emulated_decode_kernels_match_the_twin(
         assert lay.unsupported() is None
         assert K.attention_inputs(c, q, 1.0, pending, r=r)["n_splits"] >= 2
         ref = np.array(K.reference_attention(c, q, 1 / math.sqrt(q.shape[-1]), None, pending))
-        out = _emulated_attention(backend, c, q, pending, r)
+        out, codes = _emulated_attention(backend, c, q, pending, r)
         assert np.isfinite(out).all()
         np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
+        # the window was full: the same launch encoded the token leaving it (ring slot, at its
+        # absolute position) as the cache's encoder does
+        slot, pos = pending["encode"]
+        wk, wv = (x[:, :, slot : slot + 1].astype(mx.float32) for x in pending["win"])
+        d = lay.head_dim
+        kc, vc = codes
+        assert _code_agreement(kc, c.encode_keys(wk, pos), lay.key_bits, d // lay.key_sub_dim) == 1
+        want_v = c.encode_values(wv)
+        assert _code_agreement(vc, want_v, lay.value_bits, d // lay.value_sub_dim) == 1
+        # without a token to encode, the plain combine
+        out2, none = _emulated_attention(backend, c, q, {**pending, "encode": None}, r)
+        assert none is None
+        np.testing.assert_array_equal(out2, out)
 
 
 @needs_cxx
@@ -241,10 +273,8 @@ def test_emulated_encode_kernel_matches_the_cache_encoder(
         (kc, want_k, lay.key_bits, lay.key_sub_dim),
         (vc, want_v, lay.value_bits, lay.value_sub_dim),
     ):
-        got_codes = np.array(unpack_codes(mx.array(got), bits, d // sub))
-        want_codes = np.array(unpack_codes(want, bits, d // sub))
         # float32 sums in another order may flip an exact near-tie, nothing more
-        assert (got_codes == want_codes).mean() >= 0.998
+        assert _code_agreement(got, want, bits, d // sub) >= 0.998
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -257,6 +287,11 @@ def test_generated_metal_sources_are_well_formed(name, smollm2, bundle, monkeypa
     partial_in = [f32, i32, f32, u8, u8, f16, f16, f16, f16, f32, f32] + [f16] * 6
     assert check_metal_source(partial, partial_in, [f32] * 3) == []
     assert check_metal_source(combine, [f32, f32, f32, i32, f16, f16], [f16]) == []
+    both = K.combine_encode_kernel_source(lay, mx.float16)
+    both_in = [f32, f32, f32, i32, f16, f16] + [f16, f16, f32, f16, f16, f32, f16, f16]
+    assert check_metal_source(both, both_in, [f16, u8, u8]) == []
+    enc_in = [f16, f16, i32, f32, f16, f16, f32, f16, f16, f16, f16]
+    assert check_metal_source(K.encode_kernel_source(lay), enc_in, [u8, u8]) == []
     broken = dataclasses.replace(partial, body=partial.body + "\n{")
     assert check_metal_source(broken, partial_in, [f32] * 3) != []
 
@@ -329,6 +364,7 @@ def test_one_compiled_kernel_per_input_dtype_set(which, monkeypatch):
 
     monkeypatch.setattr(vk, "backend", lambda: which)
     monkeypatch.setattr(vk, "_COMPILED", {})
+    monkeypatch.setattr(vk, "_LAUNCHERS", {})
     monkeypatch.setattr(mx.fast, f"{which}_kernel", fake_kernel)
     src = vk.KernelSource(name="probe", inputs=("x",), outputs=("y",), body="  y[0] = x[0];\n")
     x16, xbf = mx.zeros((8,), mx.float16), mx.zeros((8,), mx.bfloat16)

@@ -314,6 +314,9 @@ def compiled(source: KernelSource, input_dtypes: tuple[str, ...]) -> Any | None:
     return _COMPILED[key]
 
 
+_LAUNCHERS: dict[tuple[Any, ...], Any] = {}
+
+
 def launch(
     source: KernelSource,
     inputs: list[mx.array],
@@ -324,9 +327,15 @@ def launch(
     """Run `source` on the current GPU backend. `grid` counts threadgroups (not threads);
     every input must hold at least 8 elements (Metal passes smaller ones in the constant
     address space, which the dialect's `VQ_GLOBAL` casts do not expect)."""
-    kernel = compiled(source, tuple(str(x.dtype) for x in inputs))
+    # memo by the dtype objects: decode launches a few kernels per layer and token, and
+    # spelling every input's dtype as a string each time was most of launch()'s own cost
+    key = (backend(), source.kernel_name, tuple(x.dtype for x in inputs))
+    kernel = _LAUNCHERS.get(key)
     if kernel is None:
-        raise RuntimeError(f"{source.name}: no GPU kernel backend (MLX runs on the CPU)")
+        kernel = compiled(source, tuple(str(d) for d in key[2]))
+        if kernel is None:
+            raise RuntimeError(f"{source.name}: no GPU kernel backend (MLX runs on the CPU)")
+        _LAUNCHERS[key] = kernel
     for name, x in zip(source.inputs, inputs, strict=True):
         if x.size < 8:
             raise ValueError(f"{source.name}: input {name} has {x.size} < 8 elements")

@@ -375,10 +375,13 @@ class VecInferCache(CompressedCache):
         if n_new == 1 and w > 0 and n_win == w:
             # Decode once the window is full: the oldest token (ring slot `_ring`) leaves and
             # is encoded; this call's attention still sees it exact, as the transient path.
+            # The encode happens in fused_attention: on a GPU, in the attention's own launch.
             slot = self._ring
-            kc, vc = self._encode_rows(self._wk, self._wv, slot, 1, self.sinks + n_before)
-            self._append_codes(kc, vc)
-            self._pending = {"n_coded": n_before, "win": (self._wk, self._wv)}
+            self._pending = {
+                "n_coded": n_before,
+                "win": (self._wk, self._wv),
+                "encode": (slot, self.sinks + n_before),
+            }
             # copies of the array objects: setitem rebinds the object, and the pending
             # attention must read the window as it was
             ring_k, ring_v = copy.copy(self._wk), copy.copy(self._wv)
@@ -423,10 +426,21 @@ class VecInferCache(CompressedCache):
         if pending is None:
             raise RuntimeError("VecInferCache.fused_attention: no update to attend over")
         b, n_q, n, _ = queries.shape
+        encode = pending.get("encode")
         if b == 1 and n == 1 and mask is None and kernels.kernels_take(self, n_q):
             self.last_attention = "kernel"
-            return kernels.decode_attention(self, queries, scale, pending)
+            if encode is not None and not kernels.ENCODE_IN_COMBINE:
+                wk, wv = pending["win"]
+                self._append_codes(*self._encode_rows(wk, wv, encode[0], 1, encode[1]))
+                pending = {**pending, "encode": None}
+            out, codes = kernels.decode_attention(self, queries, scale, pending)
+            if codes is not None:
+                self._append_codes(*codes)
+            return out
         self.last_attention = "reference"
+        if encode is not None:
+            wk, wv = pending["win"]
+            self._append_codes(*self._encode_rows(wk, wv, encode[0], 1, encode[1]))
         return kernels.reference_attention(self, queries, scale, mask, pending)
 
     # -- prompt-cache state: arrays by name, scalars in meta_state (methods/base.py)

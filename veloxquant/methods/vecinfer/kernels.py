@@ -28,6 +28,9 @@ Decode attention (`attention_kernel_sources`, flash-decoding in two launches):
    sinks, the fp16 window and the call's own token(s) exactly. Each writes (max, sum, output).
 2. combine: one threadgroup per query head merges the splits (log-sum-exp), applies the
    Hadamard, λ_v and μ_v once, adds the exact part and writes the output in the model dtype.
+   In a decode step whose window is full, the same launch also encodes the token leaving the
+   window (`combine_encode_kernel_source`: one more threadgroup per KV head running the
+   encoder's code), which saves a launch per layer (ENCODE_IN_COMBINE).
 
 Encode (`encode_kernel_source`): one threadgroup per (token, KV head): RoPE_m(μ) subtracted,
 smooth scales, Hadamard in threadgroup memory, nearest centroid per sub-vector with the
@@ -40,6 +43,7 @@ Supported configurations (else callers use the pure-MLX twin): head_dim a power 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -433,14 +437,15 @@ _FP_AT = """
   : static_cast<float>(N[(h * n_new + (t) - n_sink - n_win) * D + (d)])))
 """
 
-_COMBINE_BODY = """
+# The combine's statements (its one threadgroup array, s_x[D], is declared by the caller: the
+# combine alone, or the combine with the encoder, which shares it).
+_COMBINE_MAIN = """
   const int T = iparams[0];
   const int tps = iparams[2];
   const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;
   const int hq = (int)vq_gx;
   const int h = hq / G;
   const int d = (int)vq_tid;
-  VQ_SHARED float s_x[D];
   float M = NEG;
   for (int s = 0; s <= n_splits; ++s) M = VQ_FMAX(M, part_m[s * HQ + hq]);
   float acc = 0.0f, lc = 0.0f;
@@ -471,18 +476,25 @@ _COMBINE_BODY = """
   out[hq * D + d] = static_cast<OUT_T>((v + of) / (lc + lf));
 """
 
-_ENCODE_BODY = """
-  const int n = iparams[0];          // tokens to encode
-  const int first = iparams[1];      // their index in the input rows
-  const int rows = iparams[2];       // rows (tokens) per head in the inputs
-  const int pos = iparams[3];        // absolute position of the first one
-  const float rscale = fparams[1];
-  const int i_tok = (int)vq_gx;
-  const int h = (int)vq_gy;
-  const int d = (int)vq_tid;
+# The encoder's threadgroup arrays (at function scope, as Metal requires) and its statements;
+# EP is where its four parameters start in iparams, ENC_TOKEN / ENC_HEAD which (token, KV head)
+# a threadgroup encodes: the grid's x / y in the encoder alone, and the threadgroups after the
+# combine's in the combine with the encoder.
+_ENCODE_SHARED = """
   VQ_SHARED float s_x[D];
   VQ_SHARED uint s_code[KM > VM ? KM : VM];
   VQ_SHARED float s_book[(KCODES * KD > VCODES * VD ? KCODES * KD : VCODES * VD)];
+"""
+
+_ENCODE_MAIN = """
+  const int n = iparams[EP];          // tokens to encode
+  const int first = iparams[EP + 1];  // their index in the input rows
+  const int rows = iparams[EP + 2];   // rows (tokens) per head in the inputs
+  const int pos = iparams[EP + 3];    // absolute position of the first one
+  const float rscale = fparams[1];
+  const int i_tok = ENC_TOKEN;
+  const int h = ENC_HEAD;
+  const int d = (int)vq_tid;
   const int row = (h * rows + first + i_tok) * D;
 
   // keys: k - RoPE_m(mu), / lambda, Hadamard, nearest codeword per sub-vector
@@ -631,6 +643,7 @@ def _common_constants(lay: Layout) -> dict[str, Any]:
         "P": d // 2,
         "G": lay.group,
         "HQ": lay.group * lay.n_kv_heads,
+        "HKV": lay.n_kv_heads,
         "KB": lay.key_bits,
         "KD": lay.key_sub_dim,
         "KM": d // lay.key_sub_dim,
@@ -761,13 +774,41 @@ def _attention_kernel_sources(
     )
     combine = KernelSource(
         name="vq_vecinfer_attn_combine",
-        inputs=("part_m", "part_l", "part_o", "iparams", "value_smooth", "value_mean"),
+        inputs=COMBINE_INPUTS,
         outputs=("out",),
-        body=_COMBINE_BODY,
+        body="\n  VQ_SHARED float s_x[D];\n" + _COMBINE_MAIN,
         constants={**_common_constants(lay), "OUT_T": out_dtype},
         threads=lay.head_dim,
     )
     return partial, combine
+
+
+COMBINE_INPUTS = ("part_m", "part_l", "part_o", "iparams", "value_smooth", "value_mean")
+
+
+def combine_encode_kernel_source(lay: Layout, out_dtype: mx.Dtype) -> KernelSource:
+    """The combine and the encoder in one launch (a decode step whose window is full: the
+    token leaving it is encoded while the splits are merged, one launch fewer per layer).
+    Threadgroups 0 .. HQ-1 combine as `attention_kernel_sources`' combine does; threadgroup
+    HQ + t·HKV + h encodes token t of KV head h from iparams[EP..EP+3] as the encoder does."""
+    key = ("combine_encode", lay, str(out_dtype))
+    if key not in _SOURCES:
+        _SOURCES[key] = KernelSource(
+            name="vq_vecinfer_attn_combine_encode",
+            inputs=COMBINE_INPUTS + ENCODE_INPUTS[:2] + ENCODE_INPUTS[3:7] + ENCODE_INPUTS[9:],
+            outputs=("out", "key_out", "value_out"),
+            body=_ENCODE_SHARED
+            + "  if ((int)vq_gx < HQ) {\n"
+            + _COMBINE_MAIN
+            + "  } else {\n"
+            + _ENCODE_MAIN.replace("ENC_TOKEN", "((int)vq_gx - HQ) / HKV").replace(
+                "ENC_HEAD", "((int)vq_gx - HQ) % HKV"
+            )
+            + "  }\n",
+            constants={**_common_constants(lay), "OUT_T": out_dtype, "EP": ENCODE_PARAM},
+            threads=lay.head_dim,
+        )
+    return _SOURCES[key]
 
 
 ENCODE_INPUTS = (
@@ -797,8 +838,9 @@ def _encode_kernel_source(lay: Layout) -> KernelSource:
         name="vq_vecinfer_encode",
         inputs=ENCODE_INPUTS,
         outputs=("key_out", "value_out"),
-        body=_ENCODE_BODY,
-        constants=_common_constants(lay),
+        body=_ENCODE_SHARED
+        + _ENCODE_MAIN.replace("ENC_TOKEN", "(int)vq_gx").replace("ENC_HEAD", "(int)vq_gy"),
+        constants={**_common_constants(lay), "EP": 0},
         threads=lay.head_dim,
     )
 
@@ -811,6 +853,13 @@ def _encode_kernel_source(lay: Layout) -> KernelSource:
 TARGET_GROUPS = 528
 MIN_SPLIT = 512
 PARAMS = 16  # int32 slots of iparams (>= 8 elements, see veloxquant.kernels.launch)
+# Where the encoder's four parameters start in a decode step's iparams (slots 0-7 are the
+# attention's), so that one array serves the partial and the combine with the encoder.
+ENCODE_PARAM = 8
+# Whether a decode step encodes the token leaving the window inside the combine launch (one
+# launch fewer per layer) or in the encoder's own launch (which the GPU can run alongside the
+# attention); benchmarks compare the two.
+ENCODE_IN_COMBINE = True
 
 
 def layout_of(cache: Any, n_q_heads: int) -> Layout:
@@ -826,7 +875,12 @@ def kernels_take(cache: Any, n_q_heads: int) -> bool:
     """Whether the GPU kernels run for this cache here: a GPU backend and a supported layout."""
     from veloxquant.kernels import backend
 
-    return backend() is not None and layout_of(cache, n_q_heads).unsupported() is None
+    return backend() is not None and _supported(layout_of(cache, n_q_heads))
+
+
+@functools.cache
+def _supported(lay: Layout) -> bool:
+    return lay.unsupported() is None
 
 
 def _layout(cache: Any, n_q_heads: int) -> Layout:
@@ -890,6 +944,25 @@ def _float_params(*values: float) -> mx.array:
     return _CONSTS[key]
 
 
+# Launch parameters of the latest decode steps: every layer of one step attends with the same
+# counts, so one array per step serves all of them instead of one host-to-device copy per
+# layer and launch. Bounded: a few steps' worth, oldest dropped first.
+_INT_PARAMS: dict[tuple[int, ...], mx.array] = {}
+_INT_PARAMS_KEPT = 16
+
+
+def _int_params(values: list[int]) -> mx.array:
+    """[PARAMS] int32 launch parameters, one array per distinct value set among recent calls."""
+    key = tuple(values)
+    arr = _INT_PARAMS.get(key)
+    if arr is None:
+        if len(_INT_PARAMS) >= _INT_PARAMS_KEPT:
+            del _INT_PARAMS[next(iter(_INT_PARAMS))]
+        arr = mx.array(list(values) + [0] * (PARAMS - len(values)), mx.int32)
+        _INT_PARAMS[key] = arr
+    return arr
+
+
 def _dummy(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     key = ("dummy", shape, str(dtype))
     if key not in _CONSTS:
@@ -897,9 +970,11 @@ def _dummy(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     return _CONSTS[key]
 
 
-def split_tokens(n_coded: int, n_kv_heads: int, r: int, target: int = TARGET_GROUPS) -> int:
+def split_tokens(n_coded: int, n_kv_heads: int, r: int, target: int | None = None) -> int:
     """Coded tokens per split (a multiple of the TILE·r tokens of a tile): enough splits for
-    about `target` threadgroups."""
+    about `target` threadgroups (default TARGET_GROUPS, read at call time so a benchmark can
+    sweep it)."""
+    target = TARGET_GROUPS if target is None else target
     step = TILE * r
     if n_coded == 0:
         return step
@@ -943,7 +1018,10 @@ def attention_inputs(
     nk, nv = pending["new"]
     iparams = [n_coded, cache.sinks, tps, n_sink, n_win, int(nk.shape[2])]
     iparams += [int(kbuf.shape[2]), int(wk.shape[2])]
-    iparams = mx.array(iparams + [0] * (PARAMS - len(iparams)), mx.int32)
+    encode = pending.get("encode")  # (ring slot, position) of the token leaving the window
+    if encode is not None:
+        iparams += [1, encode[0], int(wk.shape[2]), encode[1]]
+    iparams = _int_params(iparams)
     fparams = _float_params(scale * LOG2E, rscale)
     key_mean = cache.key_mean if cache.key_mean is not None else cache.smooth
     partial = [
@@ -967,23 +1045,35 @@ def attention_inputs(
     ]
     vs = cache.value_smooth if cache.value_smooth is not None else cache.smooth
     vm = cache.value_mean if cache.value_mean is not None else cache.smooth
+    extra = [iparams, vs, vm]
+    if encode is not None:  # the combine with the encoder: its inputs after the combine's
+        extra += [wk, wv, fparams, cache.smooth, key_mean, inv_freq]
+        extra += [cache.key_codebook, cache.value_codebook]
     return {
         "layout": lay,
         "partial": partial,
-        "combine_extra": [iparams, vs, vm],
+        "combine_extra": extra,
         "groups": (n_splits + 1, h, 1),
         "n_splits": n_splits,
         "r": r,
+        "encode": encode is not None,
     }
 
 
-def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict) -> mx.array:
-    """Fused decode attention on the GPU: [1, H_q, 1, D] queries → [1, H_q, 1, D] output."""
+def decode_attention(
+    cache: Any, queries: mx.array, scale: float, pending: dict
+) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
+    """Fused decode attention on the GPU: [1, H_q, 1, D] queries → ([1, H_q, 1, D] output,
+    the leaving token's (key codes, value codes) [1, H, 1, bytes] when `pending` has one to
+    encode, else None)."""
     return launch_attention(attention_inputs(cache, queries, scale, pending), queries)
 
 
-def launch_attention(a: dict, queries: mx.array) -> mx.array:
-    """The two decode-attention launches on inputs from `attention_inputs`."""
+def launch_attention(
+    a: dict, queries: mx.array
+) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
+    """The two decode-attention launches on inputs from `attention_inputs` (the second also
+    encodes the token leaving the window, when there is one)."""
     from veloxquant.kernels import launch
 
     lay = a["layout"]
@@ -997,21 +1087,26 @@ def launch_attention(a: dict, queries: mx.array) -> mx.array:
         [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)],
         [mx.float32] * 3,
     )
-    (out,) = launch(
-        combine,
-        [part_m, part_l, part_o, *a["combine_extra"]],
-        (n_q, 1, 1),
-        [(n_q * d,)],
-        [queries.dtype],
+    parts = [part_m, part_l, part_o, *a["combine_extra"]]
+    if not a["encode"]:
+        (out,) = launch(combine, parts, (n_q, 1, 1), [(n_q * d,)], [queries.dtype])
+        return out.reshape(1, n_q, 1, d), None
+    h = lay.n_kv_heads
+    out, kc, vc = launch(
+        combine_encode_kernel_source(lay, queries.dtype),
+        parts,
+        (n_q + h, 1, 1),
+        [(n_q * d,), (1, h, 1, lay.key_bytes), (1, h, 1, lay.value_bytes)],
+        [queries.dtype, mx.uint8, mx.uint8],
     )
-    return out.reshape(1, n_q, 1, d)
+    return out.reshape(1, n_q, 1, d), (kc, vc)
 
 
 def encode_inputs(cache: Any, k_src: mx.array, v_src: mx.array, first: int, n: int, pos: int):
     """Inputs of the encode launch: rows first .. first+n-1 of k_src / v_src [1, H, R, D]."""
     h, d = cache.smooth.shape
     inv_freq, _, rscale = _rope_arrays(cache.rope, int(d))
-    iparams = mx.array([n, first, int(k_src.shape[2]), pos] + [0] * (PARAMS - 4), mx.int32)
+    iparams = _int_params([n, first, int(k_src.shape[2]), pos])
     fparams = _float_params(0.0, rscale)
     fill = cache.smooth
     return [
