@@ -166,3 +166,20 @@ def test_one_hot_cluster_sums_equal_the_scatter_add():
     for chunk in (37 * 3 * 64, 1 << 21):  # several chunks, and one
         got = cluster_sums(x, codes, 37, chunk_elems=chunk)
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("sub_dim,k", [(2, 64), (4, 256)])
+def test_host_assignment_is_bit_identical_to_nearest(sub_dim, k):
+    # training assigns with numpy's argmin on the CPU; the runtime encoder uses `nearest`.
+    # Both must give the same codes and errors bit for bit, exact ties (duplicated
+    # centroids) included, and across chunk boundaries.
+    rng = np.random.default_rng(3)
+    x = mx.array(rng.normal(size=(5, 3000, sub_dim)).astype(np.float32))
+    half = mx.array(rng.normal(size=(5, k // 2, sub_dim)).astype(np.float32))
+    c = mx.concatenate([half, half], axis=1)
+    want_codes, want_err = nearest(x, c)
+    codes, err = assign(x, c, chunk_elems=5 * k * 700)  # several chunks
+    assert codes.dtype == mx.uint32 and err.dtype == mx.float32
+    assert int((np.array(want_codes) >= k // 2).sum()) == 0  # ties went to the first copy
+    np.testing.assert_array_equal(np.array(codes), np.array(want_codes))
+    np.testing.assert_array_equal(np.array(err), np.array(want_err))

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from tqdm.auto import tqdm
 
 # k-means++ is used up to this many centroids with init="auto" (its K sequential D²-sampling
@@ -82,18 +83,39 @@ def augment_codebook(c: mx.array) -> mx.array:
     )
 
 
+def _partial_scores(x: mx.array, c_aug: mx.array) -> mx.array:
+    """‖c‖² − 2x·c [G, n, K]; ‖x‖² is constant per row so it cannot change the argmin."""
+    xa = mx.concatenate([x, mx.ones((*x.shape[:-1], 1), dtype=x.dtype)], axis=-1)
+    return mx.matmul(xa, c_aug)
+
+
 def nearest(x: mx.array, c: mx.array, c_aug: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Nearest centroid, lazily (no eval): x [G, n, d], c [G or 1, K, d] →
-    (codes [G, n] uint32, squared error [G, n] f32). The one argmin that training and the
-    runtime encoder share, so both break ties identically."""
+    (codes [G, n] uint32, squared error [G, n] f32). The one score that training and the
+    runtime encoder share; both take the first index of the minimum, so they break ties
+    identically."""
     if c_aug is None:
         c_aug = augment_codebook(c)
-    xa = mx.concatenate([x, mx.ones((*x.shape[:-1], 1), dtype=x.dtype)], axis=-1)
-    # ‖c‖² − 2x·c; ‖x‖² is constant per row so it cannot change the argmin.
-    partial = mx.matmul(xa, c_aug)
+    partial = _partial_scores(x, c_aug)
     codes = mx.argmin(partial, axis=-1)
     best = mx.take_along_axis(partial, codes[..., None], axis=-1)[..., 0]
     return codes, mx.maximum(best + (x * x).sum(axis=-1), 0.0)
+
+
+def _nearest_on_host(x: mx.array, c_aug: mx.array) -> tuple[mx.array, mx.array]:
+    """`nearest`, evaluated, with the argmin and the error on numpy: on the CPU MLX's
+    reduction over the centroid axis is a scalar loop (2-5x slower than numpy's, which is most
+    of an assignment pass). The same float32 scores and sums; argmin, gather, add and maximum
+    are exact, and both argmins take the first index of the minimum, so the codes and errors
+    are bit for bit `nearest`'s (tested)."""
+    partial = _partial_scores(x, c_aug)
+    x_sq = (x * x).sum(axis=-1)
+    mx.eval(partial, x_sq)
+    scores = np.array(partial, copy=False)
+    codes = scores.argmin(axis=-1)
+    best = np.take_along_axis(scores, codes[..., None], axis=-1)[..., 0]
+    err = np.maximum(best + np.array(x_sq, copy=False), np.float32(0.0))
+    return mx.array(codes.astype(np.uint32)), mx.array(err)
 
 
 CHUNK_ELEMS = 1 << 21
@@ -107,10 +129,14 @@ def assign(
     g, n, _ = x.shape
     c_aug = augment_codebook(c)
     rows = _chunk_rows(g, c.shape[1], n, chunk_elems)
+    on_cpu = mx.default_device() == mx.cpu
     codes, errs = [], []
     for s in range(0, n, rows):
-        a, e = nearest(x[:, s : s + rows], c, c_aug)
-        mx.eval(a, e)
+        if on_cpu:
+            a, e = _nearest_on_host(x[:, s : s + rows], c_aug)
+        else:
+            a, e = nearest(x[:, s : s + rows], c, c_aug)
+            mx.eval(a, e)
         codes.append(a)
         errs.append(e)
     return mx.concatenate(codes, axis=1), mx.concatenate(errs, axis=1)
