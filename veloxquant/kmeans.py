@@ -129,7 +129,8 @@ def assign(
     g, n, _ = x.shape
     c_aug = augment_codebook(c)
     rows = _chunk_rows(g, c.shape[1], n, chunk_elems)
-    on_cpu = mx.default_device() == mx.cpu
+    # numpy's argmin on the CPU for float32 (kmeans' dtype; numpy has no bfloat16)
+    on_cpu = mx.default_device() == mx.cpu and x.dtype == mx.float32
     codes, errs = [], []
     for s in range(0, n, rows):
         if on_cpu:

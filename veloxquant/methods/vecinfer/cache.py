@@ -332,13 +332,26 @@ class VecInferCache(CompressedCache):
 
     def _check_no_pending(self) -> None:
         if self._pending is not None:
-            self._pending = None
+            # the leaving token's codes exist only once its attention runs: write them now, so
+            # the cache still holds every token it has seen when the caller switches paths
+            pending, self._pending = self._pending, None
+            self._encode_leaving(pending)
             raise RuntimeError(
                 "VecInferCache: a fused update was never followed by its attention, so the "
                 "model's attention is not routed through veloxquant.attention (it calls "
                 "something other than mlx-lm's scaled_dot_product_attention). Set "
                 "cache.fused = False on every layer to use the transient path."
             )
+
+    def _encode_leaving(self, pending: dict) -> dict:
+        """Encode and append the token a full window dropped in the update behind `pending`
+        (if any); returns `pending` without it."""
+        encode = pending.get("encode")
+        if encode is None:
+            return pending
+        wk, wv = pending["win"]
+        self._append_codes(*self._encode_rows(wk, wv, encode[0], 1, encode[1]))
+        return {**pending, "encode": None}
 
     def _encode_rows(self, k_src: mx.array, v_src: mx.array, first: int, n: int, pos: int):
         """Codes of rows first .. first+n-1 of k_src / v_src [B, H, R, D] at positions pos..:
@@ -426,21 +439,20 @@ class VecInferCache(CompressedCache):
         if pending is None:
             raise RuntimeError("VecInferCache.fused_attention: no update to attend over")
         b, n_q, n, _ = queries.shape
-        encode = pending.get("encode")
         if b == 1 and n == 1 and mask is None and kernels.kernels_take(self, n_q):
             self.last_attention = "kernel"
-            if encode is not None and not kernels.ENCODE_IN_COMBINE:
-                wk, wv = pending["win"]
-                self._append_codes(*self._encode_rows(wk, wv, encode[0], 1, encode[1]))
-                pending = {**pending, "encode": None}
-            out, codes = kernels.decode_attention(self, queries, scale, pending)
+            if not kernels.ENCODE_IN_COMBINE:
+                pending = self._encode_leaving(pending)
+            try:
+                out, codes = kernels.decode_attention(self, queries, scale, pending)
+            except BaseException:
+                self._encode_leaving(pending)  # keep the cache whole, then fail
+                raise
             if codes is not None:
                 self._append_codes(*codes)
             return out
         self.last_attention = "reference"
-        if encode is not None:
-            wk, wv = pending["win"]
-            self._append_codes(*self._encode_rows(wk, wv, encode[0], 1, encode[1]))
+        pending = self._encode_leaving(pending)
         return kernels.reference_attention(self, queries, scale, mask, pending)
 
     # -- prompt-cache state: arrays by name, scalars in meta_state (methods/base.py)

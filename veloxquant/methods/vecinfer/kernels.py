@@ -987,8 +987,9 @@ def attention_inputs(
     cache: Any, queries: mx.array, scale: float, pending: dict, r: int | None = None
 ) -> dict:
     """Everything the two decode-attention launches take, for a one-token query [1, H_q, 1, D]:
-    {'layout', 'partial': [inputs], 'combine_extra': [value_smooth, value_mean], 'groups',
-    'n_splits', 'params'}."""
+    {'layout', 'partial': [inputs], 'combine_extra': [iparams, value_smooth, value_mean, and
+    the encoder's inputs when pending has a token to encode], 'groups', 'n_splits', 'r',
+    'encode': whether the second launch is the combine with the encoder}."""
     _, n_q, _, d = queries.shape
     lay = layout_of(cache, n_q)
     h = lay.n_kv_heads
