@@ -11,28 +11,18 @@ graph-build time.
 
 from __future__ import annotations
 
-import argparse
-
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
 from veloxquant import KVCacheConfig
 from veloxquant.methods.vecinfer import kernels as K
 from _common import fmt, random_weights_model
-from bench_generate import build_and_step, tokens_per_second
+from bench_generate import build_and_step, decode_arguments, tokens_per_second
 from bench_vecinfer import filled_caches
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--random-weights", metavar="CONFIG_JSON", required=True)
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
-    p.add_argument("--contexts", type=int, nargs="+", default=[16384, 65536])
-    p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
+    args = decode_arguments(__doc__, contexts=[16384, 65536], repeats=5).parse_args()
 
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))

@@ -54,15 +54,22 @@ def build_and_step(model, caches, token) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t0
 
 
-def main() -> None:
+def decode_arguments(doc: str, contexts: list[int], repeats: int) -> argparse.ArgumentParser:
+    """The arguments every decode-throughput benchmark takes (this one and
+    bench_encode_in_combine.py): a random-weight model, its dtype, contexts, tokens, repeats."""
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--random-weights", metavar="CONFIG_JSON", required=True)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
-    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--contexts", type=int, nargs="+", default=contexts)
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=repeats)
+    return p
+
+
+def main() -> None:
+    p = decode_arguments(__doc__, contexts=[4096, 16384], repeats=3)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
 
