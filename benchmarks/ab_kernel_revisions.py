@@ -1,0 +1,166 @@
+"""In-process A/B of VecInfer's decode kernels at two revisions: this tree's
+`veloxquant/methods/vecinfer/kernels.py` against a baseline copy of that file.
+
+    git show HEAD~1:veloxquant/methods/vecinfer/kernels.py > /tmp/base_kernels.py
+    python benchmarks/ab_kernel_revisions.py --baseline /tmp/base_kernels.py \
+        --contexts 16384 65536 131072
+    python benchmarks/ab_kernel_revisions.py --baseline /tmp/base_kernels.py \
+        --random-weights benchmarks/configs/llama3-8b.json --contexts 16384 65536
+
+Without `--random-weights`, one layer at a time on the same synthetic caches (the 8B layer
+shape and default layout of bench_kernels.py): the largest difference between the two outputs,
+then wall time per layer (32 calls per eval, interleaved repeats, median [min, max]). At these
+sizes that wall time is mostly launch cost on MLX's CUDA backend; each kernel's own GPU time
+comes from a profiler, with `--calls` so that it sees only a few launches of each:
+
+    ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+        -k regex:attn_partial python benchmarks/ab_kernel_revisions.py --baseline ... --calls 3
+
+With `--random-weights`, tokens/s through mlx-lm's `generate_step`: fp16 `KVCache`, VecInfer
+fused with this tree's kernels and with the baseline's, the two VecInfer arms on one cache set.
+The baseline file must keep this tree's function names (it is imported as a module of its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+
+import veloxquant.methods.vecinfer as vecinfer
+from veloxquant.methods.vecinfer import kernels as current
+from _common import fmt
+
+
+def load_baseline(path: str):
+    spec = importlib.util.spec_from_file_location("baseline_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel_ab(args, baseline) -> None:
+    from bench_kernels import pending_for, rope_for, synthetic_cache, time_arms
+
+    h, g, d, layers, sets = 8, 4, 128, 32, 4
+    scale = 1 / math.sqrt(d)
+    revisions = {"baseline": baseline, "this tree": current}
+    for n in args.contexts:
+        n_coded = n - 4 - 26 - 1
+        caches = [
+            synthetic_cache(
+                h, d, n_coded, rope=rope_for(d), seed=i, value=(8, 4),
+                shared_value_books=True, window=26,
+            )
+            for i in range(sets)
+        ]  # fmt: skip
+        qs = [(mx.random.normal((1, h * g, 1, d)) * 2).astype(mx.bfloat16) for _ in range(layers)]
+        news = [
+            [mx.random.normal((1, h, 1, d)).astype(mx.bfloat16) for _ in range(2)]
+            for _ in range(sets)
+        ]
+        pend = [pending_for(c, nw) for c, nw in zip(caches, news, strict=True)]
+        mx.eval(qs, news)
+        outs = {}
+        for name, K in revisions.items():
+            outs[name] = K.decode_attention(caches[0], qs[0], scale, pend[0])[0]
+            partial = K.attention_kernel_sources(K.layout_of(caches[0], h * g), mx.bfloat16)[0]
+            print(f"context {n}: {name} partial kernel {partial.kernel_name}")
+        a, b = (outs[k].astype(mx.float32) for k in revisions)
+        print(
+            f"context {n}: max |this tree - baseline| {mx.abs(a - b).max().item():.3g}"
+            f" (max |output| {mx.abs(a).max().item():.3g})"
+        )
+        if args.calls:
+            for K in revisions.values():
+                for _ in range(args.calls):
+                    mx.eval(K.decode_attention(caches[1], qs[1], scale, pend[1])[0])
+            continue
+
+        def arm(K, caches=caches, qs=qs, pend=pend):
+            def run():
+                outs = [
+                    K.decode_attention(caches[i % sets], qs[i], scale, pend[i % sets])[0]
+                    for i in range(layers)
+                ]
+                mx.eval(outs)
+
+            return run
+
+        times = time_arms({k: arm(K) for k, K in revisions.items()}, args.repeats)
+        for k, v in times.items():
+            print(f"  {k:<9} {fmt([t / layers for t in v], 1e6, ' us')} per layer")
+        ratio = [a / b for a, b in zip(times["baseline"], times["this tree"], strict=True)]
+        print(f"  baseline / this tree: {fmt(ratio, unit='x')}")
+
+
+def decode_ab(args, baseline) -> None:
+    from veloxquant import KVCacheConfig
+    from _common import random_weights_model
+    from bench_generate import build_and_step, tokens_per_second
+    from bench_vecinfer import filled_caches
+
+    model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
+    token = mx.array([[42]])
+    for ctx in args.contexts:
+        fp = filled_caches(model, None, ctx)
+        vq = filled_caches(model, KVCacheConfig(method="vecinfer", uncalibrated=True), ctx)
+        for c in vq:
+            c.fused = True
+        # the cache looks its kernels module up on the package at every call
+        arms = {"fp16": (fp, current), "this tree": (vq, current), "baseline": (vq, baseline)}
+        for caches, K in arms.values():  # warm-up: compile, allocate
+            vecinfer.kernels = K
+            build_and_step(model, caches, token)
+        names = list(arms)
+        rates, steps, builds = ({n: [] for n in names} for _ in range(3))
+        for r in range(args.repeats):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                caches, K = arms[name]
+                vecinfer.kernels = K
+                rates[name].append(tokens_per_second(model, caches, args.tokens))
+                b, s = build_and_step(model, caches, token)
+                builds[name].append(b)
+                steps[name].append(s)
+        vecinfer.kernels = current
+        print(f"context {ctx}: {args.tokens} tokens, {args.repeats} interleaved repeats")
+        for name in names:
+            print(
+                f"  {name:<9} {fmt(rates[name], unit=' tok/s')}"
+                f"  step {fmt(steps[name], 1e3, ' ms')}"
+                f"  host build {fmt(builds[name], 1e3, ' ms')}"
+            )
+        for name in names[1:]:
+            ratio = [a / b for a, b in zip(rates[name], rates["fp16"], strict=True)]
+            print(f"  tok/s {name} / fp16: {fmt(ratio, unit='x')}")
+        del fp, vq, arms
+        mx.clear_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--baseline", required=True, help="a kernels.py of another revision")
+    p.add_argument("--contexts", type=int, nargs="+", default=[16384, 65536, 131072])
+    p.add_argument("--repeats", type=int, default=None, help="default: 15 (kernel), 5 (decode)")
+    p.add_argument("--calls", type=int, default=0, help="kernel A/B: only this many calls each")
+    p.add_argument("--random-weights", metavar="CONFIG_JSON", help="decode A/B of this model")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    p.add_argument("--tokens", type=int, default=32)
+    args = p.parse_args()
+    print(f"mlx {mx.__version__}, device {mx.default_device()}")
+    baseline = load_baseline(args.baseline)
+    if args.random_weights:
+        args.repeats = args.repeats or 5
+        decode_ab(args, baseline)
+    else:
+        args.repeats = args.repeats or 15
+        kernel_ab(args, baseline)
+
+
+if __name__ == "__main__":
+    main()
