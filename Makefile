@@ -29,10 +29,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 repro: setup
 	$(BIN)/dvc repro
 
-# Two workers at most per file group (-n auto counts cores; the session fixtures, the model and
-# its captured activations, are built once per worker): on 2 cores about 1.3x faster than one.
+# pytest-xdist: one worker per core (at most 4; each builds the session fixtures, the model and
+# its captured activations, once), whole files per worker, in collection order
+# (tests/conftest.py starts the slowest files first; xdist would otherwise start files with
+# few tests, such as the one-test DVC pipeline, last).
 test: setup lint
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 lint: setup
 	$(BIN)/ruff check .
