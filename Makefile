@@ -32,9 +32,11 @@ repro: setup
 # pytest-xdist: one worker per core (at most 4; each builds the session fixtures, the model and
 # its captured activations, once), whole files per worker, in collection order
 # (tests/conftest.py starts the slowest files first; xdist would otherwise start files with
-# few tests, such as the one-test DVC pipeline, last).
+# few tests, such as the one-test DVC pipeline, last). One OpenBLAS thread per worker: with two
+# workers on two cores, OpenBLAS's own threads spent minutes spinning (system time 4.5 -> 1.8 min).
 test: setup lint
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile \
+		--no-loadscope-reorder
 
 lint: setup
 	$(BIN)/ruff check .
