@@ -102,8 +102,14 @@ def kernel_ab(args, baseline) -> None:
 def decode_ab(args, baseline) -> None:
     from veloxquant import KVCacheConfig
     from _common import random_weights_model
-    from bench_generate import build_and_step, tokens_per_second
+    from bench_generate import interleaved_decode, print_decode
     from bench_vecinfer import filled_caches
+
+    def use_kernels(module):
+        def select():
+            vecinfer.kernels = module
+
+        return select
 
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
     token = mx.array([[42]])
@@ -113,31 +119,15 @@ def decode_ab(args, baseline) -> None:
         for c in vq:
             c.fused = True
         # the cache looks its kernels module up on the package at every call
-        arms = {"fp16": (fp, current), "this tree": (vq, current), "baseline": (vq, baseline)}
-        for caches, K in arms.values():  # warm-up: compile, allocate
-            vecinfer.kernels = K
-            build_and_step(model, caches, token)
-        names = list(arms)
-        rates, steps, builds = ({n: [] for n in names} for _ in range(3))
-        for r in range(args.repeats):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                caches, K = arms[name]
-                vecinfer.kernels = K
-                rates[name].append(tokens_per_second(model, caches, args.tokens))
-                b, s = build_and_step(model, caches, token)
-                builds[name].append(b)
-                steps[name].append(s)
+        arms = {
+            "fp16": (fp, use_kernels(current)),
+            "this tree": (vq, use_kernels(current)),
+            "baseline": (vq, use_kernels(baseline)),
+        }
+        result = interleaved_decode(model, arms, token, args.repeats, args.tokens)
         vecinfer.kernels = current
         print(f"context {ctx}: {args.tokens} tokens, {args.repeats} interleaved repeats")
-        for name in names:
-            print(
-                f"  {name:<9} {fmt(rates[name], unit=' tok/s')}"
-                f"  step {fmt(steps[name], 1e3, ' ms')}"
-                f"  host build {fmt(builds[name], 1e3, ' ms')}"
-            )
-        for name in names[1:]:
-            ratio = [a / b for a, b in zip(rates[name], rates["fp16"], strict=True)]
-            print(f"  tok/s {name} / fp16: {fmt(ratio, unit='x')}")
+        print_decode(result)
         del fp, vq, arms
         mx.clear_cache()
 

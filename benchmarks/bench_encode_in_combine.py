@@ -16,8 +16,8 @@ import mlx.core as mx
 
 from veloxquant import KVCacheConfig
 from veloxquant.methods.vecinfer import kernels as K
-from _common import fmt, random_weights_model
-from bench_generate import build_and_step, decode_arguments, tokens_per_second
+from _common import random_weights_model
+from bench_generate import decode_arguments, interleaved_decode, print_decode
 from bench_vecinfer import filled_caches
 
 
@@ -28,36 +28,27 @@ def main() -> None:
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
     token = mx.array([[42]])
     default = K.ENCODE_IN_COMBINE
+
+    def encode_in_combine(flag: bool):
+        def select():
+            K.ENCODE_IN_COMBINE = flag
+
+        return select
+
     for ctx in args.contexts:
         fp = filled_caches(model, None, ctx)
         vq = filled_caches(model, KVCacheConfig(method="vecinfer", uncalibrated=True), ctx)
         for c in vq:
             c.fused = True
-        arms = {"fp16": (fp, default), "in-combine": (vq, True), "own-launch": (vq, False)}
-        for caches, flag in arms.values():  # warm-up: compile, allocate
-            K.ENCODE_IN_COMBINE = flag
-            build_and_step(model, caches, token)
-        names = list(arms)
-        rates, steps, builds = ({n: [] for n in names} for _ in range(3))
-        for r in range(args.repeats):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                caches, flag = arms[name]
-                K.ENCODE_IN_COMBINE = flag
-                rates[name].append(tokens_per_second(model, caches, args.tokens))
-                b, s = build_and_step(model, caches, token)
-                builds[name].append(b)
-                steps[name].append(s)
+        arms = {
+            "fp16": (fp, encode_in_combine(default)),
+            "in-combine": (vq, encode_in_combine(True)),
+            "own-launch": (vq, encode_in_combine(False)),
+        }
+        result = interleaved_decode(model, arms, token, args.repeats, args.tokens)
         K.ENCODE_IN_COMBINE = default
         print(f"context {ctx}: {args.tokens} tokens, {args.repeats} interleaved repeats")
-        for name in names:
-            print(
-                f"  {name:<10} {fmt(rates[name], unit=' tok/s')}"
-                f"  step {fmt(steps[name], 1e3, ' ms')}"
-                f"  host build {fmt(builds[name], 1e3, ' ms')}"
-            )
-        for name in names[1:]:
-            ratio = [a / b for a, b in zip(rates[name], rates["fp16"], strict=True)]
-            print(f"  tok/s {name} / fp16: {fmt(ratio, unit='x')}")
+        print_decode(result)
         del fp, vq, arms
         mx.clear_cache()
 

@@ -54,6 +54,40 @@ def build_and_step(model, caches, token) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t0
 
 
+def interleaved_decode(model, arms: dict, token, repeats: int, tokens: int) -> dict:
+    """Arms {name: (caches, select)}, where `select()` runs before each of the arm's turns (to set
+    a module constant, say): one warm-up step each, then `repeats` rounds in rotating order.
+    Returns {name: (tok/s, synchronous step s, host build s)}, one value per round."""
+    for caches, select in arms.values():  # warm-up: compile, allocate
+        select()
+        build_and_step(model, caches, token)
+    names = list(arms)
+    out = {n: ([], [], []) for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            caches, select = arms[name]
+            select()
+            out[name][0].append(tokens_per_second(model, caches, tokens))
+            b, s = build_and_step(model, caches, token)
+            out[name][1].append(s)
+            out[name][2].append(b)
+    return out
+
+
+def print_decode(result: dict, baseline: str = "fp16") -> None:
+    """interleaved_decode's result, one line per arm, then each arm's tok/s over the baseline's."""
+    width = max(len(n) for n in result)
+    for name, (rates, steps, builds) in result.items():
+        print(
+            f"  {name:<{width}} {fmt(rates, unit=' tok/s')}"
+            f"  step {fmt(steps, 1e3, ' ms')}  host build {fmt(builds, 1e3, ' ms')}"
+        )
+    for name, (rates, _, _) in result.items():
+        if name != baseline:
+            ratio = [a / b for a, b in zip(rates, result[baseline][0], strict=True)]
+            print(f"  tok/s {name} / {baseline}: {fmt(ratio, unit='x')}")
+
+
 def decode_arguments(doc: str, contexts: list[int], repeats: int) -> argparse.ArgumentParser:
     """The arguments every decode-throughput benchmark takes (this one and
     bench_encode_in_combine.py): a random-weight model, its dtype, contexts, tokens, repeats."""
