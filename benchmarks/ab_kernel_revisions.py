@@ -100,10 +100,8 @@ def kernel_ab(args, baseline) -> None:
 
 
 def decode_ab(args, baseline) -> None:
-    from veloxquant import KVCacheConfig
     from _common import random_weights_model
-    from bench_generate import interleaved_decode, print_decode
-    from bench_vecinfer import filled_caches
+    from bench_generate import fp16_and_fused_caches, interleaved_decode, print_decode
 
     def use_kernels(module):
         def select():
@@ -114,10 +112,7 @@ def decode_ab(args, baseline) -> None:
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
     token = mx.array([[42]])
     for ctx in args.contexts:
-        fp = filled_caches(model, None, ctx)
-        vq = filled_caches(model, KVCacheConfig(method="vecinfer", uncalibrated=True), ctx)
-        for c in vq:
-            c.fused = True
+        fp, vq = fp16_and_fused_caches(model, ctx)
         # the cache looks its kernels module up on the package at every call
         arms = {
             "fp16": (fp, use_kernels(current)),

@@ -14,11 +14,9 @@ from __future__ import annotations
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
-from veloxquant import KVCacheConfig
 from veloxquant.methods.vecinfer import kernels as K
 from _common import random_weights_model
-from bench_generate import decode_arguments, interleaved_decode, print_decode
-from bench_vecinfer import filled_caches
+from bench_generate import decode_arguments, fp16_and_fused_caches, interleaved_decode, print_decode
 
 
 def main() -> None:
@@ -36,10 +34,7 @@ def main() -> None:
         return select
 
     for ctx in args.contexts:
-        fp = filled_caches(model, None, ctx)
-        vq = filled_caches(model, KVCacheConfig(method="vecinfer", uncalibrated=True), ctx)
-        for c in vq:
-            c.fused = True
+        fp, vq = fp16_and_fused_caches(model, ctx)
         arms = {
             "fp16": (fp, encode_in_combine(default)),
             "in-combine": (vq, encode_in_combine(True)),

@@ -54,6 +54,16 @@ def build_and_step(model, caches, token) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t0
 
 
+def fp16_and_fused_caches(model, n_tokens: int) -> tuple[list, list]:
+    """fp16 `KVCache`s and fused uncalibrated VecInfer caches (the default shape; timing does
+    not depend on codebook values), both pre-filled with `n_tokens` random tokens."""
+    fp = filled_caches(model, None, n_tokens)
+    vq = filled_caches(model, ARMS["vecinfer"], n_tokens)
+    for c in vq:
+        c.fused = True
+    return fp, vq
+
+
 def interleaved_decode(model, arms: dict, token, repeats: int, tokens: int) -> dict:
     """Arms {name: (caches, select)}, where `select()` runs before each of the arm's turns (to set
     a module constant, say): one warm-up step each, then `repeats` rounds in rotating order.
