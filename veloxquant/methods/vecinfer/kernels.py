@@ -145,22 +145,22 @@ _SOFTMAX_TILE = """
     VQ_BARRIER();
     float pr[RPT][GP];
     VQ_UNROLL
-    for (int g = 0; g < GP; ++g) {
-      const float mg = g < G ? s_mrun[g] : 0.0f;
+    for (int g = 0; g < G; ++g) {
+      const float mg = s_mrun[g];
       float tsum = 0.0f;
       VQ_UNROLL
       for (int r = 0; r < RPT; ++r) {
-        const float p = g < G && s[r][g] > 0.5f * NEG ? vq_exp2(s[r][g] - mg) : 0.0f;
+        const float p = s[r][g] > 0.5f * NEG ? vq_exp2(s[r][g] - mg) : 0.0f;
         pr[r][g] = p;
         tsum += p;
       }
-      if (g < G) {
-        const float wsum = vq_simd_sum(tsum);
-        if (vq_lane == 0) s_red[vq_warp * G + g] = wsum;
-      }
+      const float wsum = vq_simd_sum(tsum);
+      if (vq_lane == 0) s_red[vq_warp * G + g] = wsum;
     }
     VQ_UNROLL
     for (int r = 0; r < RPT; ++r) {
+      VQ_UNROLL
+      for (int g = G; g < GP; ++g) pr[r][g] = 0.0f;  // padding of the last float4
       VQ_UNROLL
       for (int k = 0; k < GP / 4; ++k) {
         s_p4[((int)vq_tid * RPT + r) * (GP / 4) + k] =
@@ -943,9 +943,8 @@ def _rope_arrays(
     if key not in _CONSTS:
         inv = rope_inv_freq(rope, head_dim)
         offs = np.concatenate([np.arange(TILE, dtype=np.float64) * r, [1.0]])
-        ang = float(rope.scale) * offs[:, None] * inv.astype(np.float64)
+        ang = float(rope.scale) * offs[None, :] * inv.astype(np.float64)[:, None]
         table = np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
-        table = np.ascontiguousarray(table.transpose(1, 0, 2))
         _CONSTS[key] = (mx.array(inv), mx.array(table), float(rope.scale), rope.freqs)
     inv, table, scale, _ = _CONSTS[key]
     return inv, table, scale
