@@ -1,0 +1,82 @@
+"""What one MLX CUDA custom-kernel launch costs per call, by number of inputs, source size,
+threadgroup memory and threadgroups (each kernel does nothing: it copies 8 floats). 32 calls
+per evaluation, interleaved repeats, median per call of the whole call and of its evaluation.
+
+    python benchmarks/bench_launch_inputs.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+
+# (inputs, bytes of comment padding in the source, bytes of shared memory, threadgroups)
+ARMS = [(2, 0, 0, 1), (17, 0, 0, 1), (17, 16000, 0, 1), (17, 0, 30000, 1), (17, 0, 30000, 520)]
+
+
+def make_kernel(n_inputs: int, pad: int, shared: int):
+    body = ""
+    if shared:
+        body += f"  __shared__ float s_big[{shared // 4}];\n"
+        body += "  s_big[threadIdx.x] = 1.0f;\n  __syncthreads();\n"
+    body += "  unsigned int i = threadIdx.x;\n"
+    body += "  if (i < 8) out[i] = x0[i]" + (" + s_big[i]" if shared else "") + ";\n"
+    body += ("  // " + "x" * 96 + "\n") * (pad // 100)
+    return mx.fast.cuda_kernel(
+        name=f"vq_launch_{n_inputs}_{pad}_{shared}",
+        input_names=[f"x{i}" for i in range(n_inputs)],
+        output_names=["out"],
+        source=body,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--calls", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=9)
+    args = p.parse_args()
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        raise SystemExit("needs MLX's CUDA backend")
+    xs = [mx.random.normal((8,)) for _ in range(20)]
+    mx.eval(xs)
+    arms = {}
+    for n_inputs, pad, shared, groups in ARMS:
+        kernel = make_kernel(n_inputs, pad, shared)
+
+        def run(kernel=kernel, n_inputs=n_inputs, groups=groups) -> float:
+            outs = [
+                kernel(
+                    inputs=xs[:n_inputs],
+                    grid=(128 * groups, 1, 1),
+                    threadgroup=(128, 1, 1),
+                    output_shapes=[(8,)],
+                    output_dtypes=[mx.float32],
+                )[0]
+                for _ in range(args.calls)
+            ]
+            t0 = time.perf_counter()
+            mx.eval(outs)
+            return time.perf_counter() - t0
+
+        arms[f"{n_inputs} inputs, {pad} B source pad, {shared} B shared, {groups} groups"] = run
+    for run in arms.values():  # warm-up: compile
+        run()
+    times = {k: [] for k in arms}
+    for _ in range(args.repeats):
+        for name, run in arms.items():
+            t0 = time.perf_counter()
+            evaluation = run()
+            times[name].append(((time.perf_counter() - t0) / args.calls, evaluation / args.calls))
+    print(f"mlx {mx.__version__}, {args.calls} calls per eval, {args.repeats} repeats, per call:")
+    for name, v in times.items():
+        whole = statistics.median(a for a, _ in v) * 1e6
+        evaluation = statistics.median(b for _, b in v) * 1e6
+        print(f"  {name:<52} {whole:.1f} us, of which evaluation {evaluation:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
