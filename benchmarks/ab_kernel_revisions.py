@@ -45,27 +45,13 @@ def load_baseline(path: str):
 
 
 def kernel_ab(args, baseline) -> None:
-    from bench_kernels import pending_for, rope_for, synthetic_cache, time_arms
+    from bench_kernels import decode_inputs, time_arms
 
     h, g, d, layers, sets = 8, 4, 128, 32, 4
     scale = 1 / math.sqrt(d)
     revisions = {"baseline": baseline, "this tree": current}
     for n in args.contexts:
-        n_coded = n - 4 - 26 - 1
-        caches = [
-            synthetic_cache(
-                h, d, n_coded, rope=rope_for(d), seed=i, value=(8, 4),
-                shared_value_books=True, window=26,
-            )
-            for i in range(sets)
-        ]  # fmt: skip
-        qs = [(mx.random.normal((1, h * g, 1, d)) * 2).astype(mx.bfloat16) for _ in range(layers)]
-        news = [
-            [mx.random.normal((1, h, 1, d)).astype(mx.bfloat16) for _ in range(2)]
-            for _ in range(sets)
-        ]
-        pend = [pending_for(c, nw) for c, nw in zip(caches, news, strict=True)]
-        mx.eval(qs, news)
+        caches, qs, pend = decode_inputs(n, sets, layers, h, g, d)
         outs = {}
         for name, K in revisions.items():
             outs[name] = K.decode_attention(caches[0], qs[0], scale, pend[0])[0]

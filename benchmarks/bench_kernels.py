@@ -109,6 +109,27 @@ def pending_for(cache: VecInferCache, new: mx.array) -> dict:
     }
 
 
+def decode_inputs(
+    context: int, sets: int = 4, layers: int = 32, h: int = 8, g: int = 4, d: int = 128
+):
+    """(caches, queries, pending attentions) of one-token decode steps at `context` tokens in
+    the default layout (d2b6 keys, d4b8 values per layer, 4 sinks, 26-token window): `sets`
+    synthetic caches, `layers` bf16 queries, one pending attention per cache."""
+    caches = [
+        synthetic_cache(
+            h, d, context - 4 - 26 - 1, rope=rope_for(d), seed=i, value=(8, 4),
+            shared_value_books=True, window=26,
+        )
+        for i in range(sets)
+    ]  # fmt: skip
+    qs = [(mx.random.normal((1, h * g, 1, d)) * 2).astype(mx.bfloat16) for _ in range(layers)]
+    news = [
+        [mx.random.normal((1, h, 1, d)).astype(mx.bfloat16) for _ in range(2)] for _ in range(sets)
+    ]
+    mx.eval(qs, news)
+    return caches, qs, [pending_for(c, nw) for c, nw in zip(caches, news, strict=True)]
+
+
 def rope_for(d: int, traditional: bool = False, base: float = 500000.0) -> RopeSpec:
     return RopeSpec.from_module(nn.RoPE(d, traditional=traditional, base=base), d)
 

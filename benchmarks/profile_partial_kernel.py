@@ -25,7 +25,7 @@ import mlx.core as mx
 from veloxquant.kernels import backend
 from veloxquant.methods.vecinfer import kernels as K
 from _common import fmt
-from bench_kernels import pending_for, rope_for, synthetic_cache, time_arms
+from bench_kernels import decode_inputs, time_arms
 
 H, G, D, LAYERS, SETS = 8, 4, 128, 32, 4
 
@@ -49,22 +49,6 @@ ABLATIONS = {
 TILES = [(128, 4), (128, 2), (256, 2), (256, 1), (256, 4)]
 
 
-def caches_and_queries(n: int):
-    caches = [
-        synthetic_cache(
-            H, D, n - 4 - 26 - 1, rope=rope_for(D), seed=i, value=(8, 4),
-            shared_value_books=True, window=26,
-        )
-        for i in range(SETS)
-    ]  # fmt: skip
-    qs = [(mx.random.normal((1, H * G, 1, D)) * 2).astype(mx.bfloat16) for _ in range(LAYERS)]
-    news = [
-        [mx.random.normal((1, H, 1, D)).astype(mx.bfloat16) for _ in range(2)] for _ in range(SETS)
-    ]
-    mx.eval(qs, news)
-    return caches, qs, [pending_for(c, nw) for c, nw in zip(caches, news, strict=True)]
-
-
 def ablations(args) -> None:
     base = K._PARTIAL_BODY
     for cut in ABLATIONS.values():
@@ -72,7 +56,7 @@ def ablations(args) -> None:
             if base.count(old) != 1:
                 raise SystemExit(f"the kernel source no longer has exactly one {old!r}")
     for n in args.contexts:
-        caches, qs, pend = caches_and_queries(n)
+        caches, qs, pend = decode_inputs(n, SETS, LAYERS, H, G, D)
 
         def arm(cut, caches=caches, qs=qs, pend=pend):
             def run():
@@ -103,7 +87,7 @@ def tiles(args) -> None:
     default = (K.TILE, K.TOKENS_PER_THREAD)
     try:
         for n in args.contexts:
-            caches, qs, pend = caches_and_queries(n)
+            caches, qs, pend = decode_inputs(n, SETS, LAYERS, H, G, D)
             ref = None
             for tile, r in TILES:
                 K.TILE, K.TOKENS_PER_THREAD = tile, r
