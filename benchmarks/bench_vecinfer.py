@@ -111,7 +111,10 @@ def bench_kmeans(args, model) -> None:
     )
 
 
-def filled_caches(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 512) -> list:
+def filled_caches(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 8192) -> list:
+    # Large chunks: every chunk appends to the codes by concatenation, so a fill costs about
+    # n_tokens^2 / chunk bytes of copies (at 128K tokens and 512-token chunks the fill did not
+    # finish in four minutes on an H200).
     a = model.args
     caches = make_cache(model, config) if config else [KVCache() for _ in model.layers]
     rng = np.random.default_rng(0)
