@@ -23,16 +23,16 @@ import argparse
 import csv
 import ctypes
 import statistics
-import time
 from collections import defaultdict
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
 from _common import fmt, random_weights_model
-from bench_generate import fp16_and_fused_caches
+from bench_generate import build_and_step, fp16_and_fused_caches
 
 MARKER = "vq_step_marker"
+ARMS = ("fp16", "vecinfer")  # in the order they are profiled
 
 
 def _marker_kernel():
@@ -67,16 +67,14 @@ def run(args) -> None:
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
     token = mx.array([[42]])
     fp, vq = fp16_and_fused_caches(model, args.context)
-    arms = {"fp16": fp, "vecinfer": vq}
+    arms = dict(zip(ARMS, (fp, vq), strict=True))
     for caches in arms.values():  # warm-up: compile, allocate
         for _ in range(2):
-            mx.eval(model(token, cache=caches))
+            build_and_step(model, caches, token)
     walls = {name: [] for name in arms}
     for r in range(args.repeats):
-        for name in list(arms)[r % 2 :] + list(arms)[: r % 2]:
-            t0 = time.perf_counter()
-            mx.eval(model(token, cache=arms[name]))
-            walls[name].append(time.perf_counter() - t0)
+        for name in ARMS[r % 2 :] + ARMS[: r % 2]:
+            walls[name].append(build_and_step(model, arms[name], token)[1])
     for name, w in walls.items():
         print(f"  {name:<9} synchronous step {fmt(w, 1e3, ' ms')}")
     marker = _marker_kernel()
@@ -143,7 +141,9 @@ def main() -> None:
     p.add_argument("--parse", metavar="NCU_CSV")
     args = p.parse_args()
     if args.parse:
-        parse(args.parse, ["fp16", "vecinfer"], args.steps)
+        parse(args.parse, list(ARMS), args.steps)
+    elif not args.random_weights:
+        p.error("--random-weights CONFIG_JSON is needed to profile (or --parse NCU_CSV)")
     else:
         run(args)
 
