@@ -244,6 +244,18 @@ def build(source: KernelSource, backend: str, in_types: list[str], out_types: li
     return ctypes.CDLL(str(lib))
 
 
+def threadgroup_bytes(lib: ctypes.CDLL) -> int:
+    """Bytes of the threadgroup arrays of a library from `build`: they are the kernel's
+    function-scope statics here (named s_*), whose sizes the symbol table holds."""
+    res = subprocess.run(["nm", "-S", "-C", lib._name], capture_output=True, text=True, check=True)
+    total = 0
+    for line in res.stdout.splitlines():
+        fields = line.split(maxsplit=3)
+        if len(fields) == 4 and "::s_" in fields[3] and "guard variable" not in fields[3]:
+            total += int(fields[1], 16)
+    return total
+
+
 def run(
     source: KernelSource,
     backend: str,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
@@ -294,6 +295,46 @@ def test_emulated_encode_kernel_matches_the_cache_encoder(
         assert _code_agreement(got, want, bits, d // sub) >= 0.998
 
 
+def _layout(**kw) -> K.Layout:
+    """The 8B shape's default layout (d2b6 keys per head, d4b8 shared values), changed by kw."""
+    base = dict(head_dim=128, n_kv_heads=8, group=4, key_bits=6, key_sub_dim=2, value_bits=8)
+    base.update(value_sub_dim=4, key_books=8, value_books=1, hadamard=True, center=True)
+    base.update(value_mean=True, value_smooth=True, rope_traditional=False)
+    return K.Layout(**{**base, **kw})
+
+
+@needs_cxx
+@pytest.mark.parametrize(
+    "changes", [{}, {"head_dim": 64, "group": 3}, {"key_sub_dim": 1, "key_bits": 4, "group": 7}]
+)
+def test_threadgroup_bytes_are_those_of_the_generated_sources(changes):
+    # Layout.unsupported() refuses layouts over THREADGROUP_LIMIT by these two counts, so they
+    # must be the arrays the sources declare (read back from the compiled emulator library)
+    lay = _layout(**changes)
+    partial, _ = K.attention_kernel_sources(lay, mx.float16, K.TOKENS_PER_THREAD)
+    lib = emu.build(partial, "cuda", ["float32"] * len(partial.inputs), ["float32"] * 3)
+    assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD)
+    for src in (K.encode_kernel_source(lay), K.combine_encode_kernel_source(lay, mx.float16)):
+        outs = ["float32"] * len(src.outputs)
+        lib = emu.build(src, "metal", ["float32"] * len(src.inputs), outs)
+        assert emu.threadgroup_bytes(lib) == K.encode_threadgroup_bytes(lay)
+
+
+def test_layouts_over_the_threadgroup_limit_are_refused(monkeypatch):
+    import veloxquant.kernels as vk
+
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    assert K.kernels_take(SimpleNamespace(_kernel_memo={9: _layout()}), 9)
+    # 4096 four-dim key codewords are a 64 KB codebook in threadgroup memory (the partial
+    # kernel's copies of it, and the encoder's one)
+    for changes in ({"key_sub_dim": 4, "key_bits": 12}, {"value_bits": 11}):
+        lay = _layout(**changes)
+        why = lay.unsupported()
+        assert "partial attention kernel needs" in why and str(K.THREADGROUP_LIMIT) in why
+        assert not K.kernels_take(SimpleNamespace(_kernel_memo={9: lay}), 9)
+    assert K.encode_threadgroup_bytes(_layout(key_sub_dim=4, key_bits=12)) > 65536
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_generated_metal_sources_are_well_formed(name, smollm2, bundle, monkeypatch):
     model, _ = smollm2
@@ -406,3 +447,13 @@ def test_one_compiled_kernel_per_input_dtype_set(which, monkeypatch):
         vk.launch(src, [x], (1, 1, 1), [(8,)], [mx.float32])
     assert len(names) == 2 and len(set(names)) == 2  # built once per dtype set, never shared
     assert all(n.startswith(src.kernel_name) for n in names)
+
+
+def test_launch_constants_are_built_once():
+    # every fresh array would cost each layer's launch a host-to-device copy or a fill kernel
+    inv, table, _ = K._rope_arrays(None, 64)
+    again = K._rope_arrays(None, 64)
+    assert again[0] is inv and again[1] is table
+    params = K._int_params([300, 4, 512])
+    assert K._int_params([300, 4, 512]) is params
+    assert np.array(params).tolist() == [300, 4, 512] + [0] * (K.PARAMS - 3)

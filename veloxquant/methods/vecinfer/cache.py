@@ -500,7 +500,7 @@ class VecInferCache(CompressedCache):
         self.fused = attention.wanted()
         if self.fused:
             attention.install()
-        self._pending, self.last_attention, self._layouts = None, None, {}
+        self._pending, self.last_attention, self._kernel_memo = None, None, {}
         self.offset, self.window, self.sinks = (int(meta[k]) for k in ("offset", "window", "sinks"))
         self.key_bits, self.key_sub_dim = int(meta["key_bits"]), int(meta["key_sub_dim"])
         self.value_bits, self.value_sub_dim = int(meta["value_bits"]), int(meta["value_sub_dim"])

@@ -58,8 +58,10 @@ from veloxquant.rope import RopeSpec, rotated_mean
 TILE = 128  # tokens per tile and threads per threadgroup of the partial kernel
 NEG = -1.0e30  # finite "minus infinity" for running maxima (no inf arithmetic in kernels)
 LOG2E = 1.4426950408889634
-# Threadgroup memory one replicated codebook may take (Apple GPUs have 32 KB in all).
+# Threadgroup memory one replicated codebook may take, and all of a kernel's arrays may take:
+# Apple GPUs have 32 KB per threadgroup, and CUDA takes at most 48 KB of static arrays.
 CODEBOOK_BYTES = 8192
+THREADGROUP_LIMIT = 32768
 # Coded tokens each thread scores per tile: the query's transformed sub-vectors and phase
 # coefficients are read from threadgroup memory once for all of them.
 TOKENS_PER_THREAD = 4
@@ -112,6 +114,15 @@ class Layout:
             return "value sub-spaces do not divide the tile"
         if self.value_smooth and (self.value_books > 1 and self.value_books != self.n_kv_heads):
             return "value codebooks neither shared nor per head"
+        for kernel, nbytes in (
+            ("partial attention", threadgroup_bytes(self, TOKENS_PER_THREAD)),
+            ("encode", encode_threadgroup_bytes(self)),
+        ):
+            if nbytes > THREADGROUP_LIMIT:
+                return (
+                    f"the {kernel} kernel needs {nbytes} B of threadgroup memory "
+                    f"> {THREADGROUP_LIMIT} (fewer bits or a smaller sub_dim fit)"
+                )
         return None
 
 
@@ -726,6 +737,14 @@ def threadgroup_bytes(lay: Layout, r: int) -> int:
     return 4 * floats + c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4
 
 
+def encode_threadgroup_bytes(lay: Layout) -> int:
+    """Threadgroup memory of the encoder, alone or inside the combine (_ENCODE_SHARED)."""
+    d = lay.head_dim
+    km, vm = d // lay.key_sub_dim, d // lay.value_sub_dim
+    book = max((1 << lay.key_bits) * lay.key_sub_dim, (1 << lay.value_bits) * lay.value_sub_dim)
+    return 4 * (d + max(km, vm) + book)
+
+
 def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
     c = _common_constants(lay)
     vm = lay.head_dim // lay.value_sub_dim
@@ -879,22 +898,43 @@ ENCODE_IN_COMBINE = True
 def layout_of(cache: Any, n_q_heads: int) -> Layout:
     """The cache's Layout for `n_q_heads` query heads, memoised on the cache (a cache's shape
     and transforms are fixed once built; `VecInferCache.state` clears the memo on load)."""
-    memo = cache.__dict__.setdefault("_layouts", {})
+    memo = cache.__dict__.setdefault("_kernel_memo", {})
     if n_q_heads not in memo:
         memo[n_q_heads] = _layout(cache, n_q_heads)
     return memo[n_q_heads]
+
+
+def layer_constants(cache: Any, r: int) -> dict[str, Any]:
+    """The launch inputs of a cache that no decode step changes (RoPE tables, the key mean and
+    the value transforms, or the placeholders of absent ones), memoised with its Layout: a
+    decode step rebuilds only what moves, the codes, window and counts."""
+    memo = cache.__dict__.setdefault("_kernel_memo", {})
+    key = ("constants", r)
+    if key not in memo:
+        inv_freq, table, rscale = _rope_arrays(cache.rope, int(cache.smooth.shape[1]), r)
+        fill = cache.smooth  # placeholder the kernels never read (the layout says so)
+        memo[key] = {
+            "inv_freq": inv_freq,
+            "table": table,
+            "rscale": rscale,
+            "key_mean": fill if cache.key_mean is None else cache.key_mean,
+            "value_smooth": fill if cache.value_smooth is None else cache.value_smooth,
+            "value_mean": fill if cache.value_mean is None else cache.value_mean,
+        }
+    return memo[key]
 
 
 def kernels_take(cache: Any, n_q_heads: int) -> bool:
     """Whether the GPU kernels run for this cache here: a GPU backend and a supported layout."""
     from veloxquant.kernels import backend
 
-    return backend() is not None and _supported(layout_of(cache, n_q_heads))
-
-
-@functools.cache
-def _supported(lay: Layout) -> bool:
-    return lay.unsupported() is None
+    if backend() is None:
+        return False
+    memo = cache.__dict__.setdefault("_kernel_memo", {})
+    key = ("supported", n_q_heads)
+    if key not in memo:
+        memo[key] = layout_of(cache, n_q_heads).unsupported() is None
+    return memo[key]
 
 
 def _layout(cache: Any, n_q_heads: int) -> Layout:
@@ -937,8 +977,8 @@ def _rope_arrays(
     of scale·(t·r)·θ_j, the offset of thread t's first token in a tile, entry (j, TILE) one
     token's step, so that a SIMD group's reads of one pair j are contiguous; the RoPE
     position scale), built once per RoPE and shared by every layer."""
-    if rope is None:
-        return mx.zeros((8,), mx.float32), mx.zeros((8,), mx.float32), 1.0
+    if rope is None:  # placeholders the kernel never reads; fresh ones would cost a fill each
+        return _dummy((8,), mx.float32), _dummy((8,), mx.float32), 1.0
     key = ("rope", head_dim, r, tuple(sorted(rope.meta().items())), id(rope.freqs))
     if key not in _CONSTS:
         inv = rope_inv_freq(rope, head_dim)
@@ -959,23 +999,16 @@ def _float_params(*values: float) -> mx.array:
     return _CONSTS[key]
 
 
-# Launch parameters of the latest decode steps: every layer of one step attends with the same
-# counts, so one array per step serves all of them instead of one host-to-device copy per
-# layer and launch. Bounded: a few steps' worth, oldest dropped first.
-_INT_PARAMS: dict[tuple[int, ...], mx.array] = {}
-_INT_PARAMS_KEPT = 16
-
-
 def _int_params(values: list[int]) -> mx.array:
-    """[PARAMS] int32 launch parameters, one array per distinct value set among recent calls."""
-    key = tuple(values)
-    arr = _INT_PARAMS.get(key)
-    if arr is None:
-        if len(_INT_PARAMS) >= _INT_PARAMS_KEPT:
-            del _INT_PARAMS[next(iter(_INT_PARAMS))]
-        arr = mx.array(list(values) + [0] * (PARAMS - len(values)), mx.int32)
-        _INT_PARAMS[key] = arr
-    return arr
+    """[PARAMS] int32 launch parameters, one array per distinct value set among recent calls:
+    every layer of one decode step attends with the same counts, so one array serves them all
+    instead of one host-to-device copy per layer and launch."""
+    return _int_params_of(tuple(values))
+
+
+@functools.lru_cache(maxsize=16)  # a few steps' worth; thread-safe, oldest dropped first
+def _int_params_of(values: tuple[int, ...]) -> mx.array:
+    return mx.array(list(values) + [0] * (PARAMS - len(values)), mx.int32)
 
 
 def _dummy(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
@@ -1012,7 +1045,7 @@ def attention_inputs(
     r = TOKENS_PER_THREAD if r is None else r
     tps = split_tokens(n_coded, h, r)
     n_splits = -(-n_coded // tps) if n_coded else 0
-    inv_freq, table, rscale = _rope_arrays(cache.rope, d, r)
+    const = layer_constants(cache, r)
     kbuf, vbuf = cache._kbuf, cache._vbuf
     if kbuf is None or n_coded == 0:
         kbuf = _dummy((1, h, 1, lay.key_bytes), mx.uint8)
@@ -1038,10 +1071,10 @@ def attention_inputs(
     if encode is not None:
         iparams += [1, encode[0], int(wk.shape[2]), encode[1]]
     iparams = _int_params(iparams)
-    fparams = _float_params(scale * LOG2E, rscale)
-    key_mean = cache.key_mean if cache.key_mean is not None else cache.smooth
+    fparams = _float_params(scale * LOG2E, const["rscale"])
+    key_mean, inv_freq = const["key_mean"], const["inv_freq"]
     partial = [
-        queries.reshape(n_q, d),
+        queries,  # [1, H_q, 1, D] read flat, as [H_q, D]
         iparams,
         fparams,
         kbuf,
@@ -1051,7 +1084,7 @@ def attention_inputs(
         cache.smooth,
         key_mean,
         inv_freq,
-        table,
+        const["table"],
         sk,
         sv,
         wk,
@@ -1059,14 +1092,20 @@ def attention_inputs(
         nk,
         nv,
     ]
-    vs = cache.value_smooth if cache.value_smooth is not None else cache.smooth
-    vm = cache.value_mean if cache.value_mean is not None else cache.smooth
-    extra = [iparams, vs, vm]
+    extra = [iparams, const["value_smooth"], const["value_mean"]]
     if encode is not None:  # the combine with the encoder: its inputs after the combine's
         extra += [wk, wv, fparams, cache.smooth, key_mean, inv_freq]
         extra += [cache.key_codebook, cache.value_codebook]
+    memo = cache.__dict__["_kernel_memo"]
+    key = ("sources", n_q, queries.dtype, r, encode is not None)
+    if key not in memo:
+        part, combine = attention_kernel_sources(lay, queries.dtype, r)
+        if encode is not None:
+            combine = combine_encode_kernel_source(lay, queries.dtype)
+        memo[key] = (part, combine)
     return {
         "layout": lay,
+        "sources": memo[key],
         "partial": partial,
         "combine_extra": extra,
         "groups": (n_splits + 1, h, 1),
@@ -1094,7 +1133,7 @@ def launch_attention(
 
     lay = a["layout"]
     n_q, d = queries.shape[1], queries.shape[3]
-    partial, combine = attention_kernel_sources(lay, queries.dtype, a["r"])
+    partial, combine = a["sources"]  # the second is the combine with the encoder if a["encode"]
     ns = a["n_splits"] + 1
     part_m, part_l, part_o = launch(
         partial,
@@ -1105,36 +1144,32 @@ def launch_attention(
     )
     parts = [part_m, part_l, part_o, *a["combine_extra"]]
     if not a["encode"]:
-        (out,) = launch(combine, parts, (n_q, 1, 1), [(n_q * d,)], [queries.dtype])
-        return out.reshape(1, n_q, 1, d), None
+        (out,) = launch(combine, parts, (n_q, 1, 1), [(1, n_q, 1, d)], [queries.dtype])
+        return out, None
     h = lay.n_kv_heads
     out, kc, vc = launch(
-        combine_encode_kernel_source(lay, queries.dtype),
+        combine,
         parts,
         (n_q + h, 1, 1),
-        [(n_q * d,), (1, h, 1, lay.key_bytes), (1, h, 1, lay.value_bytes)],
+        [(1, n_q, 1, d), (1, h, 1, lay.key_bytes), (1, h, 1, lay.value_bytes)],
         [queries.dtype, mx.uint8, mx.uint8],
     )
-    return out.reshape(1, n_q, 1, d), (kc, vc)
+    return out, (kc, vc)
 
 
 def encode_inputs(cache: Any, k_src: mx.array, v_src: mx.array, first: int, n: int, pos: int):
     """Inputs of the encode launch: rows first .. first+n-1 of k_src / v_src [1, H, R, D]."""
-    h, d = cache.smooth.shape
-    inv_freq, _, rscale = _rope_arrays(cache.rope, int(d))
-    iparams = _int_params([n, first, int(k_src.shape[2]), pos])
-    fparams = _float_params(0.0, rscale)
-    fill = cache.smooth
+    const = layer_constants(cache, 1)
     return [
         k_src,
         v_src,
-        iparams,
-        fparams,
+        _int_params([n, first, int(k_src.shape[2]), pos]),
+        _float_params(0.0, const["rscale"]),
         cache.smooth,
-        cache.key_mean if cache.key_mean is not None else fill,
-        inv_freq,
-        cache.value_smooth if cache.value_smooth is not None else fill,
-        cache.value_mean if cache.value_mean is not None else fill,
+        const["key_mean"],
+        const["inv_freq"],
+        const["value_smooth"],
+        const["value_mean"],
         cache.key_codebook,
         cache.value_codebook,
     ]
