@@ -700,3 +700,22 @@ def test_rerun_cleans_a_killed_writers_debris(bundle, model_fp):
     assert sorted(p.name for p in bundle.iterdir()) == sorted(
         [".lock", MANIFEST, method_path(bundle, "qfilters").name]
     )
+
+
+def test_recorded_model_path_does_not_depend_on_the_checkout(tmp_path, smollm2_dir, monkeypatch):
+    # DVC runs every stage from the project root, so two clones of the project record the same
+    # model path and build the same bundle bytes (an absolute path differed by clone)
+    fps = []
+    for clone in ("a", "b"):
+        (tmp_path / clone / "artifacts").mkdir(parents=True)
+        (tmp_path / clone / "artifacts" / "model").symlink_to(smollm2_dir)
+        monkeypatch.chdir(tmp_path / clone)
+        fps.append(fingerprint_model_dir(tmp_path / clone / "artifacts" / "model"))
+        write_qf(tmp_path / clone / "bundle", fps[-1])
+    assert fps[0] == fps[1] and fps[0]["path"] == "artifacts/model"
+    a, b = (tmp_path / clone / "bundle" / MANIFEST for clone in "ab")
+    assert a.read_bytes() == b.read_bytes()
+    # a model outside the working directory keeps its absolute path, for the messages
+    assert fingerprint_model_dir(tmp_path / "a" / "artifacts" / "model")["path"] == str(
+        tmp_path / "a" / "artifacts" / "model"
+    )

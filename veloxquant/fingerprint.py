@@ -42,7 +42,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from veloxquant.io import canonical_json, jsonable, sha256_bytes, sha256_file
+from veloxquant.io import canonical_json, jsonable, recorded_path, sha256_bytes, sha256_file
 
 MODEL_DIR_ATTR = "_veloxquant_model_dir"  # leading underscore: not a parameter of the model
 ARCH_FIELDS = (
@@ -215,12 +215,12 @@ def _params_of_dir(model_dir: Path) -> tuple[str | None, str | None]:
 
 def fingerprint_model_dir(model_dir: str | os.PathLike) -> dict[str, Any]:
     """Architecture plus config/weights/params/tokenizer digests of an mlx-lm model dir."""
-    model_dir = Path(model_dir).resolve()
+    given, model_dir = model_dir, Path(model_dir).resolve()
     fp = _architecture(_model_args_from_dir(model_dir))
     fp["weights_sha256"] = _weights_digest(model_dir)
     fp["tokenizer_sha256"] = _tokenizer_digest(model_dir)
     fp["params_digest"], fp["weights_format"] = _params_of_dir(model_dir)
-    fp["path"] = str(model_dir)
+    fp["path"] = recorded_path(given)
     return fp
 
 
@@ -239,7 +239,7 @@ def fingerprint_live_model(model: Any) -> dict[str, Any]:
     if model_dir and Path(model_dir).is_dir():
         fp["weights_sha256"] = _weights_digest(Path(model_dir))
         fp["tokenizer_sha256"] = _tokenizer_digest(Path(model_dir))
-        fp["path"] = str(model_dir)
+        fp["path"] = recorded_path(model_dir)
     else:
         fp["weights_sha256"] = fp["tokenizer_sha256"] = fp["path"] = None
     return fp

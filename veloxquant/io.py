@@ -147,6 +147,17 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x))
 
 
+def recorded_path(path: str | os.PathLike) -> str:
+    """How an artifact records a path: relative to the working directory when it lies inside it,
+    else absolute. DVC runs every stage from the project root, so what a stage records does not
+    depend on where the project is checked out (two clones build the same bytes)."""
+    p = Path(os.path.abspath(path))
+    try:
+        return p.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return str(p)
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
