@@ -1,13 +1,19 @@
 """Decode throughput as mlx-lm's generator sees it: tokens/s of `generate_step` (which overlaps
 building step n+1's graph with the GPU running step n) on a pre-filled cache, fp16 `KVCache`
-against our caches, plus where a step's time goes.
+against the fused VecInfer caches of the default calibrated layout, plus where a step's time goes.
+
+The VecInfer arm is `default_layout_caches`: the default bundle's layout (d2b6 keys per KV head
+coded around a RoPE-rotated mean, d4b8 layer-shared values with scales and a mean, 4 sinks, a
+26-token window in the model's dtype) holding random codes, so the partial kernel does the RoPE
+phase work a real bundle makes it do. Timing does not depend on the codebook values.
 
 For each context and arm:
 - tok/s over `--tokens` generated tokens after the first, interleaved over `--repeats` (median
   [min, max]), and the ratio to fp16 per repeat;
-- host graph-build time of one step (`model(token, cache)` without evaluation) against the whole
-  synchronous step: when the build time approaches the step time, decode is bound by Python and
-  op dispatch, not by the GPU;
+- one synchronous step split three ways: the host graph build (`model(token, cache)`), the host
+  submission (`mx.async_eval`: MLX encodes every kernel of the step on the calling thread) and
+  the wait for the GPU. When build + submit approaches the step, decode is bound by the host,
+  not by the GPU, and generate_step's overlap cannot help;
 - peak memory of the filled cache and the step.
 
 With `--profile`, cProfile of the host graph build of a few fused steps (top functions by own
@@ -28,14 +34,12 @@ import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from veloxquant import KVCacheConfig
-from _common import fmt, random_weights_model
+from veloxquant import attention
+from veloxquant.methods.vecinfer.cache import DEFAULT_SINKS, DEFAULT_WINDOW, window_dtype
+from veloxquant.rope import RopeSpec
+from _common import fmt, model_dtype, random_weights_model
+from bench_kernels import synthetic_cache
 from bench_vecinfer import filled_caches
-
-ARMS = {
-    "fp16": None,
-    "vecinfer": KVCacheConfig(method="vecinfer", uncalibrated=True),
-}
 
 
 def tokens_per_second(model, caches, n_tokens: int) -> float:
@@ -46,53 +50,84 @@ def tokens_per_second(model, caches, n_tokens: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def build_and_step(model, caches, token) -> tuple[float, float]:
+def build_and_step(model, caches, token) -> tuple[float, float, float]:
+    """One synchronous decode step: (host graph build s, host submission s, whole step s)."""
     t0 = time.perf_counter()
     out = model(token, cache=caches)
     t1 = time.perf_counter()
+    mx.async_eval(out)
+    t2 = time.perf_counter()
     mx.eval(out)
-    return t1 - t0, time.perf_counter() - t0
+    return t1 - t0, t2 - t1, time.perf_counter() - t0
+
+
+def default_layout_caches(model, n_tokens: int) -> list:
+    """Fused VecInfer caches, one per layer, of the default calibrated layout holding `n_tokens`
+    tokens (random codes, sinks and window), built without encoding anything: a 128K context
+    costs no fill transients."""
+    a = model.args
+    rope, dtype = RopeSpec.of(model), window_dtype(model_dtype(model))
+    n_coded = n_tokens - DEFAULT_SINKS - DEFAULT_WINDOW
+    caches = []
+    for i in range(len(model.layers)):
+        c = synthetic_cache(
+            a.num_key_value_heads,
+            a.head_dim,
+            n_coded,
+            rope=rope,
+            window=DEFAULT_WINDOW,
+            sinks=DEFAULT_SINKS,
+            value=(8, 4),
+            shared_value_books=True,
+            seed=i,
+        )
+        c.sink_keys, c.sink_values = c.sink_keys.astype(dtype), c.sink_values.astype(dtype)
+        c.window_keys, c.window_values = c.window_keys.astype(dtype), c.window_values.astype(dtype)
+        c.fused = True
+        caches.append(c)
+    mx.eval([c.state for c in caches])
+    attention.install()
+    if not attention.routes(model):
+        raise RuntimeError(f"{type(model).__module__}: attention is not routed to fused caches")
+    return caches
 
 
 def fp16_and_fused_caches(model, n_tokens: int) -> tuple[list, list]:
-    """fp16 `KVCache`s and fused uncalibrated VecInfer caches (the default shape; timing does
-    not depend on codebook values), both pre-filled with `n_tokens` random tokens."""
-    fp = filled_caches(model, None, n_tokens)
-    vq = filled_caches(model, ARMS["vecinfer"], n_tokens)
-    for c in vq:
-        c.fused = True
-    return fp, vq
+    """fp16 `KVCache`s pre-filled with `n_tokens` random tokens, and `default_layout_caches`."""
+    return filled_caches(model, None, n_tokens), default_layout_caches(model, n_tokens)
 
 
 def interleaved_decode(model, arms: dict, token, repeats: int, tokens: int) -> dict:
     """Arms {name: (caches, select)}, where `select()` runs before each of the arm's turns (to set
     a module constant, say): one warm-up step each, then `repeats` rounds in rotating order.
-    Returns {name: (tok/s, synchronous step s, host build s)}, one value per round."""
+    Returns {name: (tok/s, synchronous step s, host build s, host submit s)}, one value per
+    round."""
     for caches, select in arms.values():  # warm-up: compile, allocate
         select()
         build_and_step(model, caches, token)
     names = list(arms)
-    out = {n: ([], [], []) for n in names}
+    out = {n: ([], [], [], []) for n in names}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             caches, select = arms[name]
             select()
             out[name][0].append(tokens_per_second(model, caches, tokens))
-            b, s = build_and_step(model, caches, token)
-            out[name][1].append(s)
-            out[name][2].append(b)
+            build, submit, step = build_and_step(model, caches, token)
+            out[name][1].append(step)
+            out[name][2].append(build)
+            out[name][3].append(submit)
     return out
 
 
 def print_decode(result: dict, baseline: str = "fp16") -> None:
     """interleaved_decode's result, one line per arm, then each arm's tok/s over the baseline's."""
     width = max(len(n) for n in result)
-    for name, (rates, steps, builds) in result.items():
+    for name, (rates, steps, builds, submits) in result.items():
         print(
-            f"  {name:<{width}} {fmt(rates, unit=' tok/s')}"
-            f"  step {fmt(steps, 1e3, ' ms')}  host build {fmt(builds, 1e3, ' ms')}"
+            f"  {name:<{width}} {fmt(rates, unit=' tok/s')}  step {fmt(steps, 1e3, ' ms')}"
+            f"  host build {fmt(builds, 1e3, ' ms')}  submit {fmt(submits, 1e3, ' ms')}"
         )
-    for name, (rates, _, _) in result.items():
+    for name, (rates, *_) in result.items():
         if name != baseline:
             ratio = [a / b for a, b in zip(rates, result[baseline][0], strict=True)]
             print(f"  tok/s {name} / {baseline}: {fmt(ratio, unit='x')}")
@@ -121,45 +156,40 @@ def main() -> None:
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
     token = mx.array([[42]])
     for ctx in args.contexts:
-        arms = {}
-        for name, config in ARMS.items():
+        # VecInfer first, so that its peak is its own (weights, its caches, the step); fp16's
+        # peak then includes the VecInfer caches, whose bytes are printed beside it
+        arms, peaks = {}, {}
+        for name, build in (("vecinfer", default_layout_caches), ("fp16", filled_caches)):
+            mx.clear_cache()
             mx.reset_peak_memory()
-            arms[name] = filled_caches(model, config, ctx)
-            if config is not None:
-                for c in arms[name]:
-                    c.fused = True
-            build_and_step(model, arms[name], token)  # warm-up: compile, allocate
-            arms[name + ":peak"] = mx.get_peak_memory()
-        names = list(ARMS)
-        rates = {n: [] for n in names}
-        split = {n: ([], []) for n in names}
-        for r in range(args.repeats):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                rates[name].append(tokens_per_second(model, arms[name], args.tokens))
-                b, s = build_and_step(model, arms[name], token)
-                split[name][0].append(b)
-                split[name][1].append(s)
-        print(f"context {ctx}: {args.tokens} generated tokens, {args.repeats} interleaved repeats")
-        for name in names:
-            paths = {getattr(c, "last_attention", None) for c in arms[name]}
-            print(
-                f"  {name:<9} {fmt(rates[name], unit=' tok/s')}"
-                f"  step {fmt(split[name][1], 1e3, ' ms')}"
-                f"  host build {fmt(split[name][0], 1e3, ' ms')}"
-                f"  peak {arms[name + ':peak'] / 2**30:.2f} GiB  attention {paths}"
+            caches = (
+                build(model, ctx) if build is default_layout_caches else build(model, None, ctx)
             )
-        for name in names[1:]:
-            ratio = [a / b for a, b in zip(rates[name], rates["fp16"], strict=True)]
-            print(f"  tok/s {name} / fp16: {fmt(ratio, unit='x')}")
+            build_and_step(model, caches, token)
+            arms[name], peaks[name] = (caches, lambda: None), mx.get_peak_memory()
+        arms = {name: arms[name] for name in ("fp16", "vecinfer")}  # fp16 is the baseline
+        result = interleaved_decode(model, arms, token, args.repeats, args.tokens)
+        print(f"context {ctx}: {args.tokens} generated tokens, {args.repeats} interleaved repeats")
+        print_decode(result)
+        kv = {name: sum(c.nbytes for c in caches) for name, (caches, _) in arms.items()}
+        paths = {c.last_attention for c in arms["vecinfer"][0]}
+        gib = 2**30
+        print(
+            f"  KV bytes (from the arrays) fp16 {kv['fp16'] / gib:.2f} GiB, vecinfer "
+            f"{kv['vecinfer'] / gib:.2f} GiB ({kv['vecinfer'] / kv['fp16']:.3f}x); peak with "
+            f"weights: vecinfer {peaks['vecinfer'] / gib:.2f} GiB, fp16 {peaks['fp16'] / gib:.2f}"
+            f" GiB (+ the vecinfer caches); vecinfer attention {paths}"
+        )
         if args.profile:
             prof = cProfile.Profile()
             for _ in range(5):  # the host graph build only; evaluation outside the profile
                 prof.enable()
-                out = model(token, cache=arms["vecinfer"])
+                out = model(token, cache=arms["vecinfer"][0])
                 prof.disable()
                 mx.eval(out)
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
         del arms
+        mx.clear_cache()
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def run(args) -> None:
     walls = {name: [] for name in arms}
     for r in range(args.repeats):
         for name in ARMS[r % 2 :] + ARMS[: r % 2]:
-            walls[name].append(build_and_step(model, arms[name], token)[1])
+            walls[name].append(build_and_step(model, arms[name], token)[2])
     for name, w in walls.items():
         print(f"  {name:<9} synchronous step {fmt(w, 1e3, ' ms')}")
     marker = _marker_kernel()
