@@ -64,7 +64,7 @@ def ablations(args) -> None:
                 for old, new in cut:
                     body = body.replace(old, new)
                 K._PARTIAL_BODY = body
-                K._SOURCES.clear()  # the sources are rebuilt from the body above
+                K.clear_memos(caches)  # the sources are rebuilt from the body above
                 outs = [
                     K.decode_attention(caches[i % SETS], qs[i], 1 / math.sqrt(D), pend[i % SETS])
                     for i in range(LAYERS)
@@ -77,7 +77,7 @@ def ablations(args) -> None:
             times = time_arms({k: arm(v) for k, v in ABLATIONS.items()}, args.repeats)
         finally:
             K._PARTIAL_BODY = base
-            K._SOURCES.clear()
+            K.clear_memos(caches)
         print(f"context {n}: wall time per layer")
         for k, v in times.items():
             print(f"  {k:<20} {fmt([t / LAYERS for t in v], 1e6, ' us')}")
@@ -91,8 +91,7 @@ def tiles(args) -> None:
             ref = None
             for tile, r in TILES:
                 K.TILE, K.TOKENS_PER_THREAD = tile, r
-                K._SOURCES.clear()
-                K._CONSTS.clear()  # the phase table has TILE + 1 entries per pair
+                K.clear_memos(caches)  # the phase table has TILE + 1 entries per pair
                 lay = K.layout_of(caches[0], H * G)
                 name = K.attention_kernel_sources(lay, mx.bfloat16, r)[0].kernel_name
                 for _ in range(3):
@@ -107,8 +106,7 @@ def tiles(args) -> None:
                 )
     finally:
         K.TILE, K.TOKENS_PER_THREAD = default
-        K._SOURCES.clear()
-        K._CONSTS.clear()
+        K.clear_memos()
 
 
 def main() -> None:

@@ -190,7 +190,11 @@ def _emulated_attention(backend: str, cache, q, pending, r: int):
     `K.launch_attention` computes them, with the kernels run by the emulator."""
     a = K.attention_inputs(cache, q, 1 / math.sqrt(q.shape[-1]), pending, r=r)
     lay = a["layout"]
-    partial, combine = K.attention_kernel_sources(lay, mx.float32, r)
+    partial, second = a["sources"]  # what launch_attention launches: memoised on the cache
+    fresh = K.attention_kernel_sources(lay, mx.float32, r)
+    if a["encode"]:
+        fresh = (fresh[0], K.combine_encode_kernel_source(lay, mx.float32))
+    assert (partial.kernel_name, second.kernel_name) == tuple(k.kernel_name for k in fresh)
     n_q, d = q.shape[1], q.shape[3]
     ns = a["n_splits"] + 1
     shapes = [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)]
@@ -199,11 +203,11 @@ def _emulated_attention(backend: str, cache, q, pending, r: int):
     )
     extra = [np.array(x) for x in a["combine_extra"]]
     if not a["encode"]:
-        (out,) = emu.run(combine, backend, parts + extra, (n_q, 1, 1), [(n_q * d,)], ["float32"])
+        (out,) = emu.run(second, backend, parts + extra, (n_q, 1, 1), [(n_q * d,)], ["float32"])
         return out.reshape(1, n_q, 1, d), None
     h = lay.n_kv_heads
     out, kc, vc = emu.run(
-        K.combine_encode_kernel_source(lay, mx.float32),
+        second,
         backend,
         parts + extra,
         (n_q + h, 1, 1),
@@ -323,16 +327,21 @@ def test_threadgroup_bytes_are_those_of_the_generated_sources(changes):
 def test_layouts_over_the_threadgroup_limit_are_refused(monkeypatch):
     import veloxquant.kernels as vk
 
-    monkeypatch.setattr(vk, "backend", lambda: "cuda")
-    assert K.kernels_take(SimpleNamespace(_kernel_memo={9: _layout()}), 9)
-    # 4096 four-dim key codewords are a 64 KB codebook in threadgroup memory (the partial
-    # kernel's copies of it, and the encoder's one)
-    for changes in ({"key_sub_dim": 4, "key_bits": 12}, {"value_bits": 11}):
-        lay = _layout(**changes)
-        why = lay.unsupported()
-        assert "partial attention kernel needs" in why and str(K.THREADGROUP_LIMIT) in why
-        assert not K.kernels_take(SimpleNamespace(_kernel_memo={9: lay}), 9)
-    assert K.encode_threadgroup_bytes(_layout(key_sub_dim=4, key_bits=12)) > 65536
+    def takes(lay: K.Layout, which: str) -> bool:
+        monkeypatch.setattr(vk, "backend", lambda: which)
+        return K.kernels_take(SimpleNamespace(_kernel_memo={9: lay}), 9)
+
+    assert takes(_layout(), "cuda") and takes(_layout(), "metal")
+    # Qwen2.5-0.5B's shape (head_dim 64, 7 query heads per KV head): 45 KB, which CUDA's static
+    # shared memory holds (48 KB) and an Apple GPU's threadgroup (32 KB) does not
+    lay = _layout(head_dim=64, group=7)
+    assert takes(lay, "cuda") and not takes(lay, "metal")
+    assert "more than metal's 32768" in lay.unsupported() and lay.unsupported("cuda") is None
+    # 4096 four-dim key codewords: a 64 KB codebook, copies of it in the partial kernel
+    lay = _layout(key_sub_dim=4, key_bits=12)
+    assert not takes(lay, "cuda") and not takes(lay, "metal")
+    assert "partial attention kernel needs 88176 B" in lay.unsupported("cuda")
+    assert K.encode_threadgroup_bytes(lay) > 65536
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -447,6 +456,22 @@ def test_one_compiled_kernel_per_input_dtype_set(which, monkeypatch):
         vk.launch(src, [x], (1, 1, 1), [(8,)], [mx.float32])
     assert len(names) == 2 and len(set(names)) == 2  # built once per dtype set, never shared
     assert all(n.startswith(src.kernel_name) for n in names)
+
+
+def test_layer_constants_are_the_caches_and_a_state_load_forgets_them(
+    smollm2, bundle, prompt, monkeypatch
+):
+    model, _ = smollm2
+    caches = _caches(model, _config("calibrated", bundle), True, monkeypatch)
+    _prefill(model, caches, prompt[:, :100])
+    c = caches[3]
+    const = K.layer_constants(c, 4)
+    assert K.layer_constants(c, 4) is const
+    assert const["key_mean"] is c.key_mean and const["value_smooth"] is c.value_smooth
+    assert const["value_mean"] is c.value_mean
+    other = caches[4]  # another layer's arrays, loaded into this cache: nothing stale is kept
+    c.state = other.state
+    assert K.layer_constants(c, 4)["key_mean"] is c.key_mean is not const["key_mean"]
 
 
 def test_launch_constants_are_built_once():

@@ -58,10 +58,11 @@ from veloxquant.rope import RopeSpec, rotated_mean
 TILE = 128  # tokens per tile and threads per threadgroup of the partial kernel
 NEG = -1.0e30  # finite "minus infinity" for running maxima (no inf arithmetic in kernels)
 LOG2E = 1.4426950408889634
-# Threadgroup memory one replicated codebook may take, and all of a kernel's arrays may take:
-# Apple GPUs have 32 KB per threadgroup, and CUDA takes at most 48 KB of static arrays.
+# Threadgroup memory one replicated codebook may take, and all of a kernel's arrays may take
+# per backend: Apple GPUs have 32 KB per threadgroup, and CUDA takes at most 48 KB of static
+# arrays (more needs dynamic shared memory, which the kernels do not use).
 CODEBOOK_BYTES = 8192
-THREADGROUP_LIMIT = 32768
+THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 # Coded tokens each thread scores per tile: the query's transformed sub-vectors and phase
 # coefficients are read from threadgroup memory once for all of them.
 TOKENS_PER_THREAD = 4
@@ -95,8 +96,9 @@ class Layout:
     def value_bytes(self) -> int:
         return code_bytes(self.value_bits, self.head_dim // self.value_sub_dim)
 
-    def unsupported(self) -> str | None:
-        """Why the kernels cannot run this layout (None when they can)."""
+    def unsupported(self, backend: str = "metal") -> str | None:
+        """Why the kernels cannot run this layout on `backend` ("cuda" or "metal"; None when
+        they can). The default is the stricter backend: what runs there runs everywhere."""
         d = self.head_dim
         if d & (d - 1) or not 32 <= d <= 256:
             return f"head_dim {d} is not a power of two in [32, 256]"
@@ -118,10 +120,10 @@ class Layout:
             ("partial attention", threadgroup_bytes(self, TOKENS_PER_THREAD)),
             ("encode", encode_threadgroup_bytes(self)),
         ):
-            if nbytes > THREADGROUP_LIMIT:
+            if nbytes > THREADGROUP_LIMIT[backend]:
                 return (
-                    f"the {kernel} kernel needs {nbytes} B of threadgroup memory "
-                    f"> {THREADGROUP_LIMIT} (fewer bits or a smaller sub_dim fit)"
+                    f"the {kernel} kernel needs {nbytes} B of threadgroup memory, more than "
+                    f"{backend}'s {THREADGROUP_LIMIT[backend]}"
                 )
         return None
 
@@ -928,13 +930,23 @@ def kernels_take(cache: Any, n_q_heads: int) -> bool:
     """Whether the GPU kernels run for this cache here: a GPU backend and a supported layout."""
     from veloxquant.kernels import backend
 
-    if backend() is None:
+    which = backend()
+    if which is None:
         return False
     memo = cache.__dict__.setdefault("_kernel_memo", {})
-    key = ("supported", n_q_heads)
+    key = ("supported", n_q_heads, which)
     if key not in memo:
-        memo[key] = layout_of(cache, n_q_heads).unsupported() is None
+        memo[key] = layout_of(cache, n_q_heads).unsupported(which) is None
     return memo[key]
+
+
+def clear_memos(caches: list = ()) -> None:
+    """Forget every built kernel source and constant array, and the memos of `caches`: for
+    benchmarks that swap a kernel body or TILE and rebuild."""
+    _SOURCES.clear()
+    _CONSTS.clear()
+    for c in caches:
+        c.__dict__.pop("_kernel_memo", None)
 
 
 def _layout(cache: Any, n_q_heads: int) -> Layout:
