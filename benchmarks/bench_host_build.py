@@ -1,0 +1,124 @@
+"""Host cost of one decode step's graph build, on any machine: the 8B model's attention shape
+(32 layers, 32 query / 8 KV heads, head_dim 128) with small projections, fp16 `KVCache`
+against fused VecInfer caches of the default layout, the GPU kernels replaced by a stub that
+returns zeros of the right shapes (so the numbers are Python and MLX op construction, not
+kernels). Interleaved repeats, median [min, max] per layer: the attention call (cache update
+and attention) and the whole step; then the two host functions of a fused layer step alone
+(`attention_inputs`, `launch_attention`; best of 5 x 2000 calls). With `--baseline`, another
+revision's veloxquant/methods/vecinfer/kernels.py runs beside this tree's (a third arm on the
+same caches, as ab_kernel_revisions.py does).
+
+    git show 68321b7:veloxquant/methods/vecinfer/kernels.py > /tmp/base_kernels.py
+    python benchmarks/bench_host_build.py --repeats 30 --baseline /tmp/base_kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import timeit
+from pathlib import Path
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+import mlx_lm.models.llama as llama
+from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import _get_classes
+
+import veloxquant.kernels as vk
+from _common import fmt
+
+CONFIG = Path(__file__).parent / "configs" / "llama3-8b.json"
+
+
+def stub_kernel(*, name, **_):
+    def call(**kw):
+        return [
+            mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"], strict=True)
+        ]
+
+    return call
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--baseline", help="a kernels.py of another revision, as a third arm")
+    args = p.parse_args()
+    vk.backend = lambda: "cuda"  # the fused path's host code, kernels stubbed
+    mx.fast.cuda_kernel = stub_kernel
+    import veloxquant.methods.vecinfer as vecinfer
+    from ab_kernel_revisions import load_baseline
+    from bench_generate import default_layout_caches
+
+    config = json.loads(CONFIG.read_text())
+    config.update(hidden_size=1024, intermediate_size=1024, vocab_size=1000)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    fp = [KVCache() for _ in model.layers]
+    for c in fp:
+        x = mx.zeros((1, 8, args.context, 128), mx.bfloat16)
+        c.update_and_fetch(x, x)
+    vq = default_layout_caches(model, args.context)
+    current = vecinfer.kernels
+    arms = {"fp16": (fp, current), "vecinfer": (vq, current)}
+    if args.baseline:  # the cache looks its kernels module up on the package at every call
+        arms["baseline"] = (vq, load_baseline(args.baseline))
+
+    attention_time = [0.0]
+    original = llama.Attention.__call__
+
+    def timed(self, *a, **kw):
+        t = time.perf_counter()
+        out = original(self, *a, **kw)
+        attention_time[0] += time.perf_counter() - t
+        return out
+
+    llama.Attention.__call__ = timed
+    token = mx.array([[42]])
+    result = {name: ([], []) for name in arms}
+    for r in range(args.repeats + 3):
+        names = list(arms)
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotating order
+            caches, kernels = arms[name]
+            vecinfer.kernels = kernels
+            attention_time[0] = 0.0
+            t = time.perf_counter()
+            out = model(token, cache=caches)
+            step = time.perf_counter() - t
+            if r >= 3:  # warm-up
+                result[name][0].append(attention_time[0] / len(caches))
+                result[name][1].append(step / len(caches))
+            # the vecinfer arm's outputs are stub zeros: evaluate its state, not 8B work
+            mx.eval(out if name == "fp16" else [c._kbuf for c in caches] + [c._wk for c in caches])
+    llama.Attention.__call__ = original
+    vecinfer.kernels = current
+    print(f"mlx {mx.__version__}, {args.context}-token context, per layer:")
+    for name, (att, step) in result.items():
+        print(f"  {name:<8} attention {fmt(att, 1e6, ' us')}  whole step {fmt(step, 1e6, ' us')}")
+
+    from bench_kernels import decode_inputs
+
+    (cache,), (q,), (pending,) = decode_inputs(args.context, 1, 1, 8, 4, 128)
+    for name, (_, kernels) in arms.items():
+        if name == "fp16":
+            continue
+        inputs = kernels.attention_inputs(cache, q, 0.1, pending)
+
+        def best(fn) -> float:
+            return min(timeit.repeat(fn, number=2000, repeat=5)) / 2000
+
+        t_in = best(lambda k=kernels: k.attention_inputs(cache, q, 0.1, pending))
+        t_launch = best(lambda k=kernels, a=inputs: k.launch_attention(a, q))
+        print(
+            f"  {name:<8} attention_inputs {t_in * 1e6:.2f} us  launch_attention "
+            f"{t_launch * 1e6:.2f} us (2 stubbed launches)"
+        )
+
+
+if __name__ == "__main__":
+    main()
