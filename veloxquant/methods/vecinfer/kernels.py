@@ -38,7 +38,9 @@ argmin in registers (the distance in `kmeans.nearest`'s form ‖c‖² − 2x·c
 ties), bit packing; keys and values in one launch for all of a layer's new tokens.
 
 Supported configurations (else callers use the pure-MLX twin): head_dim a power of two in
-[32, 256], sub_dim in {1, 2, 4}, bits <= 12, packed rows a whole number of 32-bit words.
+[32, 256], sub_dim in {1, 2, 4}, bits <= 12, packed rows a whole number of 32-bit words, and
+threadgroup arrays within the backend's limit (THREADGROUP_LIMIT: 32 KB on Apple GPUs, so for
+instance a 64-dim head with 7 query heads per KV head, 45 KB, runs the kernels on CUDA only).
 """
 
 from __future__ import annotations
