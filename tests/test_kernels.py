@@ -482,3 +482,20 @@ def test_launch_constants_are_built_once():
     params = K._int_params([300, 4, 512])
     assert K._int_params([300, 4, 512]) is params
     assert np.array(params).tolist() == [300, 4, 512] + [0] * (K.PARAMS - 3)
+
+
+def test_launch_refuses_small_inputs_and_a_wrong_input_count(monkeypatch):
+    # Metal passes inputs under 8 elements in the constant address space, which the kernels'
+    # casts do not expect: refused by name, as is a call with the wrong number of inputs
+    import veloxquant.kernels as vk
+
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    monkeypatch.setattr(vk, "_LAUNCHERS", {})
+    monkeypatch.setattr(vk, "compiled", lambda *a: lambda **kw: [mx.zeros((8,))])
+    src = vk.KernelSource(name="probe", inputs=("x", "y"), outputs=("z",), body="")
+    big, small = mx.zeros((8,)), mx.zeros((4,))
+    assert vk.launch(src, [big, big], (1, 1, 1), [(8,)], [mx.float32])[0].shape == (8,)
+    with pytest.raises(ValueError, match="input y has 4 < 8 elements"):
+        vk.launch(src, [big, small], (1, 1, 1), [(8,)], [mx.float32])
+    with pytest.raises(ValueError, match="zip"):
+        vk.launch(src, [big], (1, 1, 1), [(8,)], [mx.float32])

@@ -336,7 +336,7 @@ def launch(
         if kernel is None:
             raise RuntimeError(f"{source.name}: no GPU kernel backend (MLX runs on the CPU)")
         _LAUNCHERS[key] = kernel
-    if len(inputs) != len(source.inputs) or min([x.size for x in inputs]) < 8:
+    if len(inputs) != len(source.inputs) or min([x.size for x in inputs], default=8) < 8:
         for name, x in zip(source.inputs, inputs, strict=True):
             if x.size < 8:
                 raise ValueError(f"{source.name}: input {name} has {x.size} < 8 elements")
