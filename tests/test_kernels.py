@@ -190,7 +190,7 @@ def _emulated_attention(backend: str, cache, q, pending, r: int):
     `K.launch_attention` computes them, with the kernels run by the emulator."""
     a = K.attention_inputs(cache, q, 1 / math.sqrt(q.shape[-1]), pending, r=r)
     lay = a["layout"]
-    partial, second = a["sources"]  # what launch_attention launches: memoised on the cache
+    partial, second = a["sources"]  # what launch_attention launches
     fresh = K.attention_kernel_sources(lay, mx.float32, r)
     if a["encode"]:
         fresh = (fresh[0], K.combine_encode_kernel_source(lay, mx.float32))

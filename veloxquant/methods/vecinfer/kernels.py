@@ -1110,16 +1110,12 @@ def attention_inputs(
     if encode is not None:  # the combine with the encoder: its inputs after the combine's
         extra += [wk, wv, fparams, cache.smooth, key_mean, inv_freq]
         extra += [cache.key_codebook, cache.value_codebook]
-    memo = cache.__dict__["_kernel_memo"]
-    key = ("sources", n_q, queries.dtype, r, encode is not None)
-    if key not in memo:
-        part, combine = attention_kernel_sources(lay, queries.dtype, r)
-        if encode is not None:
-            combine = combine_encode_kernel_source(lay, queries.dtype)
-        memo[key] = (part, combine)
+    part, combine = attention_kernel_sources(lay, queries.dtype, r)
+    if encode is not None:
+        combine = combine_encode_kernel_source(lay, queries.dtype)
     return {
         "layout": lay,
-        "sources": memo[key],
+        "sources": (part, combine),
         "partial": partial,
         "combine_extra": extra,
         "groups": (n_splits + 1, h, 1),
