@@ -159,12 +159,14 @@ def main() -> None:
         # VecInfer first, so that its peak is its own (weights, its caches, the step); fp16's
         # peak then includes the VecInfer caches, whose bytes are printed beside it
         arms, peaks = {}, {}
-        for name, build in (("vecinfer", default_layout_caches), ("fp16", filled_caches)):
+        builders = (
+            ("vecinfer", lambda n=ctx: default_layout_caches(model, n)),
+            ("fp16", lambda n=ctx: filled_caches(model, None, n)),
+        )
+        for name, build in builders:
             mx.clear_cache()
             mx.reset_peak_memory()
-            caches = (
-                build(model, ctx) if build is default_layout_caches else build(model, None, ctx)
-            )
+            caches = build()
             build_and_step(model, caches, token)
             arms[name], peaks[name] = (caches, lambda: None), mx.get_peak_memory()
         arms = {name: arms[name] for name in ("fp16", "vecinfer")}  # fp16 is the baseline
