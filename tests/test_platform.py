@@ -50,3 +50,22 @@ def test_float32_matmuls_stay_full_precision_unless_the_user_says_otherwise(pres
     code = "import os, veloxquant, mlx.core; print(os.environ.get('MLX_ENABLE_TF32'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
+
+
+def _blas_core(env: dict) -> str:
+    code = "import veloxquant, mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))"
+    env = {**env, "OPENBLAS_VERBOSE": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    return next(line for line in (out.stdout + out.stderr).splitlines() if line.startswith("Core:"))
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma"} <= _platform._cpu_flags(), reason="pins AVX2 kernels on x86 only"
+)
+def test_openblas_runs_the_same_kernels_on_every_x86_cpu_unless_the_user_picks_others():
+    # AVX-512 and AVX2 GEMM kernels round differently: unpinned, an AVX-512 machine wrote other
+    # artifacts than the AVX2 machines the committed dvc.lock came from.
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    assert _blas_core(env) == f"Core: {_platform.BLAS_CORETYPE}"
+    assert _blas_core({**env, "OPENBLAS_CORETYPE": "Sandybridge"}) == "Core: Sandybridge"

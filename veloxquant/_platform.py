@@ -15,6 +15,33 @@ import sys
 # libopenblas.so.0 by its own name does not take over MLX's BLAS symbols (measured: no speedup).
 _BLAS_CANDIDATES = ("libblas.so.3",)
 blas_library: str | None = None
+# OpenBLAS picks its GEMM kernels by CPU at load time, and the AVX2 and AVX-512 kernels round
+# differently: the same pipeline on two x86 machines of one kind wrote different artifacts
+# (every calibration after capture, and every metric). Pinning the AVX2 kernels, which every
+# CPU with AVX2 and FMA runs, makes them the same bytes; on an AVX-512 CPU they run the
+# model's matmuls slower (benchmarks/results/bench_cpu_forward-cpu.txt).
+BLAS_CORETYPE = "Haswell"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def pin_blas_kernels() -> str | None:
+    """Set OPENBLAS_CORETYPE to BLAS_CORETYPE (unless it is set already, or the CPU lacks AVX2
+    and FMA) so that OpenBLAS runs the same kernels, with the same float sums, on every x86
+    machine; returns the core type OpenBLAS will be asked for. Set OPENBLAS_CORETYPE yourself
+    (e.g. SkylakeX) to choose other kernels, at the price of other bytes."""
+    if "OPENBLAS_CORETYPE" not in os.environ and {"avx2", "fma"} <= _cpu_flags():
+        os.environ["OPENBLAS_CORETYPE"] = BLAS_CORETYPE
+    return os.environ.get("OPENBLAS_CORETYPE")
 
 
 def preload_blas() -> str | None:
@@ -32,6 +59,7 @@ def preload_blas() -> str | None:
             file=sys.stderr,
         )
         return None
+    pin_blas_kernels()
     for name in _BLAS_CANDIDATES:
         try:
             ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
