@@ -3,24 +3,17 @@
 Prints, with interleaved repeats (median [min, max]):
 - one decoder layer of the model at `--tokens` tokens, op by op (each evaluated on its own),
   next to the whole layer;
-- the causal attention by blocks (`veloxquant.attention.blocked_causal_attention`, what capture
-  and evaluate run) beside MLX's own, and a whole 1024-token forward pass each way, with a
-  bit-for-bit check;
 - `mx.exp` against numpy's `np.exp` on the causal-attention score block of that layer
   ([H_q, S, S] float32): MLX's CPU elementwise transcendentals are scalar loops here;
 - two sequences' forward passes one after the other on one stream against side by side on two
   CPU streams (`veloxquant._platform.cpu_lanes`), with a bit-for-bit check of the outputs.
 
     python benchmarks/bench_cpu_forward.py --model-dir artifacts/smollm2-135m/model
-    OPENBLAS_CORETYPE=SkylakeX python benchmarks/bench_cpu_forward.py ...  # other GEMM kernels
-
-The OpenBLAS core type in use is printed first (`veloxquant._platform.pin_blas_kernels`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
@@ -28,7 +21,6 @@ import mlx.core as mx
 import numpy as np
 
 from _common import fmt
-from veloxquant import attention
 from veloxquant._platform import cpu_lanes
 from veloxquant.model_import import load_model
 
@@ -76,7 +68,6 @@ def main() -> None:
         ],
         "rope q+k": lambda: [attn.rope(q), attn.rope(k)],
         "attention (sdpa, causal)": lambda: sdpa(q, k, v, scale=attn.scale, mask="causal"),
-        "attention by blocks": lambda: attention.blocked_causal_attention(q, k, v, attn.scale),
         "mlp gate/up/down GEMMs": lambda: [
             layer.mlp.gate_proj(x),
             layer.mlp.up_proj(x),
@@ -89,7 +80,6 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, fn in ops.items():
             times[name] += timed(fn, 1)
-    print(f"OpenBLAS core type: {os.environ.get('OPENBLAS_CORETYPE', 'detected by OpenBLAS')}")
     print(f"one layer of {args.model_dir} at {s} tokens, float32, {mx.default_device()}:")
     for name, t in times.items():
         print(f"  {name:26s} {fmt(t, 1e3, ' ms')}")
@@ -104,29 +94,12 @@ def main() -> None:
     print(f"exp over the score block [{n_q}, {s}, {s}] float32:")
     print(f"  mx.exp {fmt(t_mx, 1e3, ' ms')}   np.exp {fmt(t_np, 1e3, ' ms')}")
 
-    tokens = mx.random.randint(0, model.args.vocab_size, (1, s), key=mx.random.key(9))
-    plain, blocks, same = [], [], True
-    for _ in range(max(2, args.repeats // 2)):
-        t = time.perf_counter()
-        want = model.model(tokens)
-        mx.eval(want)
-        plain.append(time.perf_counter() - t)
-        with attention.causal_blocks():
-            t = time.perf_counter()
-            got = model.model(tokens)
-            mx.eval(got)
-            blocks.append(time.perf_counter() - t)
-        same &= mx.array_equal(want, got).item()
-    print(f"one {s}-token forward pass (no lm_head), one stream:")
-    print(f"  MLX's attention {fmt(plain, 1, ' s')}   by blocks {fmt(blocks, 1, ' s')}")
-    print(f"  outputs bit-identical: {same}")
-
     lanes = cpu_lanes(2)
     ids = [
         mx.random.randint(0, model.args.vocab_size, (1, s), key=mx.random.key(2 + i))
         for i in range(2)
     ]
-    one, two, two_blocks, same = [], [], [], True
+    one, two, same = [], [], True
     for _ in range(max(2, args.repeats // 2)):
         t = time.perf_counter()
         seq = [model.model(i) for i in ids]
@@ -140,19 +113,9 @@ def main() -> None:
                 side.append(model.model(i))
         mx.eval(side)
         two.append(time.perf_counter() - t)
-        with attention.causal_blocks():
-            t = time.perf_counter()
-            blocked = []
-            for i, lane in zip(ids, lanes * 2, strict=False):
-                with mx.stream(lane):
-                    blocked.append(model.model(i))
-            mx.eval(blocked)
-            two_blocks.append(time.perf_counter() - t)
         same &= all(mx.array_equal(a, b).item() for a, b in zip(seq, side, strict=True))
-        same &= all(mx.array_equal(a, b).item() for a, b in zip(seq, blocked, strict=True))
     print(f"two {s}-token forward passes (no lm_head), {len(lanes)} lane(s):")
     print(f"  one stream {fmt(one, 1, ' s')}   side by side {fmt(two, 1, ' s')}")
-    print(f"  side by side, attention by blocks (as capture runs) {fmt(two_blocks, 1, ' s')}")
     print(f"  outputs bit-identical: {same}")
 
 

@@ -20,12 +20,6 @@ attention calls `mx.fast.scaled_dot_product_attention` directly keeps the transi
 says so once in the log. If a fused update is ever not followed by its attention, the cache
 raises at its next update rather than attend wrongly twice.
 
-`causal_blocks()` also routes, for the duration of a block, long causal prefills on the CPU
-through `blocked_causal_attention`: MLX's own CPU attention, bit for bit, with the softmax's
-exp (scalar on x86, most of a forward pass there) skipped right of each block's diagonal.
-Capture and evaluate use it; gradients through it are rounded differently from MLX's, so it is
-for forward passes only.
-
 `VELOXQUANT_FUSED` picks the path of new caches: `auto` (the default) fuses where MLX runs on a
 GPU that takes the kernels (CUDA or Metal), and keeps the transient path on the CPU, where it is
 what the evaluation numbers were measured with; `1` fuses everywhere (the pure-MLX twin of the
@@ -41,7 +35,6 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 
 NAME = "scaled_dot_product_attention"
@@ -49,8 +42,6 @@ log = logging.getLogger("veloxquant")
 
 _original = mlx_base.scaled_dot_product_attention
 _patched: list[Any] = []  # modules whose NAME we replaced
-_blocks_on = False  # set by `causal_blocks()`
-CAUSAL_BLOCK = 64  # queries per block: 16 blocks of a 1024-token prefill run 53% of the exps
 
 
 def dispatch(
@@ -71,58 +62,7 @@ def dispatch(
                 "set cache.fused = False for this model"
             )
         return cache.fused_attention(queries, scale=scale, mask=mask)
-    if _blocks_on and _takes_blocks(queries, keys, cache, mask, sinks):
-        return blocked_causal_attention(queries, keys, values, scale)
     return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def _takes_blocks(queries: Any, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
-    return (
-        isinstance(mask, str)
-        and mask == "causal"
-        and sinks is None
-        and not hasattr(cache, "bits")  # mlx-lm's quantized attention takes those
-        and isinstance(keys, mx.array)
-        and queries.shape[2] >= 2 * CAUSAL_BLOCK
-        and mx.default_device() == mx.cpu
-    )
-
-
-def blocked_causal_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, block: int = CAUSAL_BLOCK
-) -> mx.array:
-    """`mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-    mask="causal")` as MLX computes it on the CPU (its fallback: scaled queries, the scores'
-    matmul, masked scores set to the dtype's lowest value, a precise softmax, the
-    probabilities' matmul with the values), bit for bit, with the softmax of each block of
-    `block` queries taken over its causal prefix only.
-
-    Why it is exact: a masked score's exp is exactly 0 and the CPU softmax reduces a row in
-    order, so a row's maximum, sum and probabilities over its prefix are those over the whole
-    row. The blocks' probabilities are padded with zeros back to the whole matrix, so both
-    matmuls are the very ones MLX runs (a BLAS kernel's rounding may depend on the matrix
-    shape, so they are not split). A test compares the bits."""
-    n_batch, n_q_heads, n_queries, head_dim = queries.shape
-    n_kv_heads, n_keys = keys.shape[1], keys.shape[2]
-    repeats = n_q_heads // n_kv_heads
-    queries = queries * mx.array(scale, queries.dtype)
-    if repeats > 1:
-        queries = queries.reshape(n_batch, n_kv_heads, repeats, n_queries, head_dim)
-        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
-    scores = queries @ mx.swapaxes(keys, -1, -2)
-    offset = max(n_keys - n_queries, 0)
-    visible = mx.arange(offset, offset + n_queries)[:, None] >= mx.arange(n_keys)[None]
-    scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    blocks = []
-    for start in range(0, n_queries, block):
-        stop = min(start + block, n_queries)
-        prefix = offset + stop
-        probs = mx.softmax(scores[..., start:stop, :prefix], axis=-1, precise=True)
-        if prefix < n_keys:
-            probs = mx.pad(probs, [(0, 0)] * (probs.ndim - 1) + [(0, n_keys - prefix)])
-        blocks.append(probs)
-    out = mx.concatenate(blocks, axis=-2) @ values
-    return out.reshape(n_batch, n_q_heads, n_queries, head_dim) if repeats > 1 else out
 
 
 def installed() -> bool:
@@ -158,22 +98,6 @@ def fused() -> Iterator[None]:
         yield
     finally:
         if not was:
-            uninstall()
-
-
-@contextlib.contextmanager
-def causal_blocks() -> Iterator[None]:
-    """Route long causal prefills on the CPU through `blocked_causal_attention` (module
-    docstring) for the duration of a block; forward passes only."""
-    global _blocks_on
-    was_installed, was_on = installed(), _blocks_on
-    install()
-    _blocks_on = True
-    try:
-        yield
-    finally:
-        _blocks_on = was_on
-        if not was_installed:
             uninstall()
 
 

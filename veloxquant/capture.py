@@ -32,7 +32,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from veloxquant import attention
 from veloxquant._platform import cpu_lanes
 from veloxquant.io import (
     SafetensorsError,
@@ -281,8 +280,7 @@ def capture_activations(
     # reductions then run on the default stream, one sequence after the other in order (MLX's
     # CPU reductions on two streams at once ran slower than one after the other), so the
     # capture is the same bytes for any number of lanes.
-    # attention.causal_blocks: the same bits, half the softmax's exps (its module docstring).
-    with record_attention(model) as ropes, attention.causal_blocks():
+    with record_attention(model) as ropes:
         bar = tqdm(total=num_seqs, desc="capture", unit="seq", disable=not progress)
         for first in range(0, num_seqs, len(lanes)):
             batch = {}
