@@ -68,4 +68,5 @@ def test_openblas_runs_the_same_kernels_on_every_x86_cpu_unless_the_user_picks_o
     # artifacts than the AVX2 machines the committed dvc.lock came from.
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     assert _blas_core(env) == f"Core: {_platform.BLAS_CORETYPE}"
+    assert _blas_core({**env, "OPENBLAS_CORETYPE": ""}) == f"Core: {_platform.BLAS_CORETYPE}"
     assert _blas_core({**env, "OPENBLAS_CORETYPE": "Sandybridge"}) == "Core: Sandybridge"

@@ -34,14 +34,13 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def pin_blas_kernels() -> str | None:
+def pin_blas_kernels() -> None:
     """Set OPENBLAS_CORETYPE to BLAS_CORETYPE (unless it is set already, or the CPU lacks AVX2
     and FMA) so that OpenBLAS runs the same kernels, with the same float sums, on every x86
-    machine; returns the core type OpenBLAS will be asked for. Set OPENBLAS_CORETYPE yourself
-    (e.g. SkylakeX) to choose other kernels, at the price of other bytes."""
-    if "OPENBLAS_CORETYPE" not in os.environ and {"avx2", "fma"} <= _cpu_flags():
+    machine. Set OPENBLAS_CORETYPE yourself (e.g. SkylakeX) to choose other kernels, at the
+    price of other bytes; an empty value counts as unset (OpenBLAS would detect the CPU)."""
+    if not os.environ.get("OPENBLAS_CORETYPE") and {"avx2", "fma"} <= _cpu_flags():
         os.environ["OPENBLAS_CORETYPE"] = BLAS_CORETYPE
-    return os.environ.get("OPENBLAS_CORETYPE")
 
 
 def preload_blas() -> str | None:
