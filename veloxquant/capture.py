@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from veloxquant import cpu_kernels
 from veloxquant._platform import cpu_lanes
 from veloxquant.io import (
     SafetensorsError,
@@ -279,8 +280,9 @@ def capture_activations(
     # The forward passes of `lanes` sequences run side by side on the CPU's cores; the
     # reductions then run on the default stream, one sequence after the other in order (MLX's
     # CPU reductions on two streams at once ran slower than one after the other), so the
-    # capture is the same bytes for any number of lanes.
-    with record_attention(model) as ropes:
+    # capture is the same bytes for any number of lanes. The attention's softmax and the MLP's
+    # swiglu run vectorized (veloxquant.cpu_kernels: the same bits as MLX's).
+    with record_attention(model) as ropes, cpu_kernels.vectorized():
         bar = tqdm(total=num_seqs, desc="capture", unit="seq", disable=not progress)
         for first in range(0, num_seqs, len(lanes)):
             batch = {}

@@ -47,6 +47,7 @@ import numpy as np
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
+from veloxquant import cpu_kernels
 from veloxquant._platform import cpu_lanes
 from veloxquant.config import KVCacheConfig, make_cache
 from veloxquant.io import atomic_path, write_bytes_atomic, write_json_atomic
@@ -99,7 +100,7 @@ def _segments(seq_len: int, prefill: int, chunk: int) -> list[tuple[int, int]]:
 
 def _log_softmax(logits: mx.array) -> mx.array:
     logits = logits.astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logits - cpu_kernels.logsumexp(logits)  # mx.logsumexp(..., -1, keepdims=True)
 
 
 def _nbytes(caches: list) -> int:
@@ -261,47 +262,51 @@ def evaluate_rows(
             bar.update(1)
         pending.clear()
 
-    for start, end in segments:
-        n_pred = min(end, seq_len - 1) - start
-        after_prefill = start >= prefill
-        x = tokens[:, start:end]
-        tgt = targets[:, start : start + n_pred]
-        ref_logp = _log_softmax(model(x, cache=ref_caches)[:, :n_pred])  # [W, n, V]
-        ref_top = mx.argmax(ref_logp, axis=-1)
-        ref_p = mx.exp(ref_logp)
-        ref_nll = -mx.take_along_axis(ref_logp, tgt[..., None], axis=-1).sum()
-        mx.eval(ref_logp, ref_top, ref_p, ref_nll, [c.state for c in ref_caches])
-        ref_total = float(ref_nll.item())
-        _add(ref, ref_total, 0.0, 0.0, n_pred * n_windows, after_prefill)
-        for r in twins:
-            _add_reference(sums[r], ref_total, n_pred * n_windows, after_prefill)
-        pending: list[tuple] = []  # units built on a lane, evaluated together
-        for u, (members, caches) in enumerate(units):
-            bar.set_postfix_str(names[members[0]], refresh=False)
-            if share_prefill and start == 0 and members[0] in ours:
-                if _prefill_from_reference(caches, ref_caches, len(members), end):
-                    # The row's caches returned the reference's keys and values unchanged in
-                    # every layer, so its prefill logits are the reference's, bit for bit.
-                    for r in members:
-                        _add_reference(sums[r], ref_total, n_pred * n_windows, after_prefill)
-                    bar.update(1)
-                    continue
-                for r in members:  # start over with fresh caches and run the model
-                    per_row[r] = [built[r][2](model) for _ in range(n_windows)]
-                caches = batched(members)
-                units[u] = (members, caches)
-            # Each unit keeps its lane, so a cache's state stays on one stream.
-            with mx.stream(lanes[u % len(lanes)]):
-                xb = mx.concatenate([x] * len(members), axis=0)
-                logp = _log_softmax(model(xb, cache=caches)[:, :n_pred])
-                logp = logp.reshape(len(members), n_windows, *logp.shape[1:])
-                nll = -mx.take_along_axis(logp, tgt[None, ..., None], axis=-1).sum(axis=(1, 2, 3))
-                kl = (ref_p[None] * (ref_logp[None] - logp)).sum(axis=(1, 2, 3))
-                agree = (mx.argmax(logp, axis=-1) == ref_top[None]).sum(axis=(1, 2))
-            pending.append((members, nll, kl, agree, caches))
-            if len(pending) == len(lanes):
-                flush(pending, n_pred * n_windows, after_prefill)
-        flush(pending, n_pred * n_windows, after_prefill)
+    # The attention's softmax and the MLP's swiglu run vectorized (veloxquant.cpu_kernels:
+    # MLX's bits).
+    with cpu_kernels.vectorized():
+        for start, end in segments:
+            n_pred = min(end, seq_len - 1) - start
+            after_prefill = start >= prefill
+            x = tokens[:, start:end]
+            tgt = targets[:, start : start + n_pred]
+            ref_logp = _log_softmax(model(x, cache=ref_caches)[:, :n_pred])  # [W, n, V]
+            ref_top = mx.argmax(ref_logp, axis=-1)
+            ref_p = mx.exp(ref_logp)
+            ref_nll = -mx.take_along_axis(ref_logp, tgt[..., None], axis=-1).sum()
+            mx.eval(ref_logp, ref_top, ref_p, ref_nll, [c.state for c in ref_caches])
+            ref_total = float(ref_nll.item())
+            _add(ref, ref_total, 0.0, 0.0, n_pred * n_windows, after_prefill)
+            for r in twins:
+                _add_reference(sums[r], ref_total, n_pred * n_windows, after_prefill)
+            pending: list[tuple] = []  # units built on a lane, evaluated together
+            for u, (members, caches) in enumerate(units):
+                bar.set_postfix_str(names[members[0]], refresh=False)
+                if share_prefill and start == 0 and members[0] in ours:
+                    if _prefill_from_reference(caches, ref_caches, len(members), end):
+                        # The row's caches returned the reference's keys and values unchanged in
+                        # every layer, so its prefill logits are the reference's, bit for bit.
+                        for r in members:
+                            _add_reference(sums[r], ref_total, n_pred * n_windows, after_prefill)
+                        bar.update(1)
+                        continue
+                    for r in members:  # start over with fresh caches and run the model
+                        per_row[r] = [built[r][2](model) for _ in range(n_windows)]
+                    caches = batched(members)
+                    units[u] = (members, caches)
+                # Each unit keeps its lane, so a cache's state stays on one stream.
+                with mx.stream(lanes[u % len(lanes)]):
+                    xb = mx.concatenate([x] * len(members), axis=0)
+                    logp = _log_softmax(model(xb, cache=caches)[:, :n_pred])
+                    logp = logp.reshape(len(members), n_windows, *logp.shape[1:])
+                    nll = -mx.take_along_axis(logp, tgt[None, ..., None], axis=-1)
+                    nll = nll.sum(axis=(1, 2, 3))
+                    kl = (ref_p[None] * (ref_logp[None] - logp)).sum(axis=(1, 2, 3))
+                    agree = (mx.argmax(logp, axis=-1) == ref_top[None]).sum(axis=(1, 2))
+                pending.append((members, nll, kl, agree, caches))
+                if len(pending) == len(lanes):
+                    flush(pending, n_pred * n_windows, after_prefill)
+            flush(pending, n_pred * n_windows, after_prefill)
     bar.close()
     elements = _kv_elements(ref_caches)  # what one uncompressed window holds
     for r, caches in enumerate(per_row):

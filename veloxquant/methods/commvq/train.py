@@ -52,6 +52,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from veloxquant import cpu_kernels
 from veloxquant.methods.commvq import codebook as cb
 
 DEFAULTS: dict[str, Any] = {
@@ -203,7 +204,7 @@ def _estep_chunk(xs: mx.array, proj: mx.array, gamma: mx.array, cross: mx.array,
     d2 = mx.maximum(cb.partial_sq_distances(u, v, cross) + (xs * xs).sum(-1)[..., None], 0.0)
     hard = d2.min(axis=-1).sum(axis=1)
     logits = -mx.sqrt(d2) * inv_t
-    p = mx.exp(logits - logits.max(axis=-1, keepdims=True))
+    p = cpu_kernels.exp(logits - logits.max(axis=-1, keepdims=True))  # mx.exp, vectorized
     p = p / p.sum(axis=-1, keepdims=True)
     p4 = p.reshape(g, n, cb.ATOMS, cb.ATOMS)
     pa, pb = p4.sum(axis=-1), p4.sum(axis=-2)  # marginals over a and over b: [G, n, 64]

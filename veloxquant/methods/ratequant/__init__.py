@@ -74,6 +74,7 @@ from typing import Any
 
 import numpy as np
 
+from veloxquant import cpu_kernels
 from veloxquant.methods import kivi
 from veloxquant.methods.base import Artifact, CalibrationInputs, Method, ModelDims, TensorSpec
 from veloxquant.methods.ratequant import alloc, fisher
@@ -262,68 +263,71 @@ def calibrate(
     # average when there is more than one, whether or not the validation runs.
     pool = windows.shape[0] - 1 if windows.shape[0] > 1 else windows.shape[0]
     picks = _evenly_spaced(pool, hp["fisher_windows"])
-    w, w_sq, timing = fisher.fisher_importance(
-        model,
-        windows[picks],
-        chunk=hp["fisher_chunk"],
-        range_weighted=hp["range_weighted"],
-        progress=progress,
-        time_forward=False,
-        **layout,
-    )
-    proxy = fisher.proxy_importance(load_stats(inputs.activations_dir))
-
-    validation: dict[str, Any] = {"units": 0}
-    if n_val:
-        t0 = time.perf_counter()
-        val_tokens = windows[-1, : hp["validate_tokens"]]
-        units = fisher.stratified_units(w, n_val)
-        w_same, _, _ = fisher.fisher_importance(
+    # The forward and gradient passes' softmax and swiglu run vectorized (veloxquant.cpu_kernels:
+    # MLX's bits, and its gradients').
+    with cpu_kernels.vectorized():
+        w, w_sq, timing = fisher.fisher_importance(
             model,
-            val_tokens[None],
+            windows[picks],
             chunk=hp["fisher_chunk"],
             range_weighted=hp["range_weighted"],
+            progress=progress,
             time_forward=False,
             **layout,
         )
-        noise = fisher.noise_validation(
-            model,
-            val_tokens,
-            units,
-            sigma=hp["noise_sigma"],
-            draws=hp["noise_draws"],
-            seed=hp["seed"],
-            chunk=hp["fisher_chunk"],
-            range_weighted=hp["range_weighted"],
-            **layout,
-        )
-        pick = lambda a: [float(a[u]) for u in units]  # noqa: E731
-        validation = {
-            "units": [list(u) for u in units],
-            "noise_kl_over_sigma2": noise.tolist(),
-            "fisher": pick(w),
-            "fisher_same_window": pick(w_same),
-            "spearman_fisher_vs_noise": fisher.spearman(pick(w), noise),
-            "spearman_same_window_fisher_vs_noise": fisher.spearman(pick(w_same), noise),
-            "spearman_proxy_vs_noise": fisher.spearman(pick(proxy), noise),
-            "window_tokens": int(len(val_tokens)),
-        }
-        timing["validation_s"] = time.perf_counter() - t0
+        proxy = fisher.proxy_importance(load_stats(inputs.activations_dir))
 
-    t0 = time.perf_counter()
-    # The last calibration window: held out of the Fisher average (when there is more than one).
-    stream_kl = fisher.stream_response(
-        model,
-        windows[-1, : hp["response_tokens"]],
-        allowed,
-        chunk=hp["fisher_chunk"],
-        window=window,
-        sinks=sinks,
-        group_size=g,
-        progress=progress,
-    )
-    stream_kl = np.maximum(stream_kl, 0.0)  # float32 can put a KL of ~0 a hair below 0
-    response_s = time.perf_counter() - t0
+        validation: dict[str, Any] = {"units": 0}
+        if n_val:
+            t0 = time.perf_counter()
+            val_tokens = windows[-1, : hp["validate_tokens"]]
+            units = fisher.stratified_units(w, n_val)
+            w_same, _, _ = fisher.fisher_importance(
+                model,
+                val_tokens[None],
+                chunk=hp["fisher_chunk"],
+                range_weighted=hp["range_weighted"],
+                time_forward=False,
+                **layout,
+            )
+            noise = fisher.noise_validation(
+                model,
+                val_tokens,
+                units,
+                sigma=hp["noise_sigma"],
+                draws=hp["noise_draws"],
+                seed=hp["seed"],
+                chunk=hp["fisher_chunk"],
+                range_weighted=hp["range_weighted"],
+                **layout,
+            )
+            pick = lambda a: [float(a[u]) for u in units]  # noqa: E731
+            validation = {
+                "units": [list(u) for u in units],
+                "noise_kl_over_sigma2": noise.tolist(),
+                "fisher": pick(w),
+                "fisher_same_window": pick(w_same),
+                "spearman_fisher_vs_noise": fisher.spearman(pick(w), noise),
+                "spearman_same_window_fisher_vs_noise": fisher.spearman(pick(w_same), noise),
+                "spearman_proxy_vs_noise": fisher.spearman(pick(proxy), noise),
+                "window_tokens": int(len(val_tokens)),
+            }
+            timing["validation_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        # The last calibration window: held out of the Fisher average (when there is more than one).
+        stream_kl = fisher.stream_response(
+            model,
+            windows[-1, : hp["response_tokens"]],
+            allowed,
+            chunk=hp["fisher_chunk"],
+            window=window,
+            sinks=sinks,
+            group_size=g,
+            progress=progress,
+        )
+        stream_kl = np.maximum(stream_kl, 0.0)  # float32 can put a KL of ~0 a hair below 0
+        response_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     distortion = alloc.distortion_from_capture(

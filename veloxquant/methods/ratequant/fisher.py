@@ -52,6 +52,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from veloxquant import cpu_kernels
 from veloxquant.methods import kivi
 
 STREAM_NAMES = ("K", "V")
@@ -143,7 +144,7 @@ def window_logp(
     out = []
     for start in range(0, inputs.shape[1], step):
         logits = model(inputs[:, start : start + step], cache=caches)[0].astype(mx.float32)
-        out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        out.append(logits - cpu_kernels.logsumexp(logits))  # mx.logsumexp, vectorized
     return out, caches
 
 
