@@ -329,3 +329,14 @@ def test_a_stale_build_is_not_loaded_and_says_how_to_rebuild(tmp_path, monkeypat
     np.testing.assert_array_equal(
         _bits(cpu_kernels.softmax(x)), _bits(mx.softmax(x, axis=-1, precise=True))
     )
+
+
+def test_where_it_is_not_needed_the_fallback_is_quiet(monkeypatch, caplog):
+    """Off x86-64 Linux MLX's CPU exp is vectorized: MLX's ops run without a warning."""
+    monkeypatch.setattr(cpu_kernels, "wanted_here", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_unavailable_reason", None)
+    with caplog.at_level("DEBUG", logger="veloxquant"):
+        assert not cpu_kernels.available()
+    assert [r.levelname for r in caplog.records] == ["DEBUG"]
+    assert "not x86-64 Linux" in caplog.text
