@@ -95,6 +95,14 @@ def _takes_cpu_softmax(queries: Any, keys: Any, cache: Any, mask: Any, sinks: An
     return isinstance(keys, mx.array) and keys.dtype == mx.float32
 
 
+def _probabilities(scores: mx.array, mask: str | None) -> mx.array:
+    """The softmax of scores [..., Lq, Lk], under MLX's causal mask (query i sees keys up to
+    Lk - Lq + i) or none."""
+    if mask != "causal":
+        return cpu_kernels.softmax(scores)
+    return cpu_kernels.causal_softmax(scores, max(scores.shape[-1] - scores.shape[-2], 0))
+
+
 def cpu_attention(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: str | None
 ) -> mx.array:
@@ -105,18 +113,13 @@ def cpu_attention(
     softmax is `veloxquant.cpu_kernels.causal_softmax`, the same bits as MLX's, computed over
     each row's visible part only. Tests compare the outputs and the gradients."""
     n_batch, n_q_heads, n_queries, _ = queries.shape
-    n_kv_heads, n_keys = keys.shape[1], keys.shape[2]
+    n_kv_heads = keys.shape[1]
     repeats = n_q_heads // n_kv_heads
     queries = queries * mx.array(scale, queries.dtype)
     if repeats > 1:
         queries = queries.reshape(n_batch, n_kv_heads, repeats, n_queries, queries.shape[-1])
         keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
-    scores = queries @ mx.swapaxes(keys, -1, -2)
-    if mask == "causal":
-        probs = cpu_kernels.causal_softmax(scores, max(n_keys - n_queries, 0))
-    else:
-        probs = cpu_kernels.softmax(scores)
-    out = probs @ values
+    out = _probabilities(queries @ mx.swapaxes(keys, -1, -2), mask) @ values
     return out.reshape(n_batch, n_q_heads, n_queries, -1) if repeats > 1 else out
 
 
@@ -142,10 +145,7 @@ def cpu_quantized_attention(
         keys = tuple(mx.expand_dims(a, -3) for a in keys)
         values = tuple(mx.expand_dims(a, -3) for a in values)
     scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size, bits=bits)
-    if mask == "causal":
-        probs = cpu_kernels.causal_softmax(scores, scores.shape[-1] - scores.shape[-2])
-    else:
-        probs = cpu_kernels.softmax(scores)
+    probs = _probabilities(scores, mask)
     out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(n_batch, n_q_heads, n_queries, -1) if repeats > 1 else out
 
