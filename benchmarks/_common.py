@@ -16,6 +16,21 @@ def fmt(xs: list[float], scale: float = 1.0, unit: str = "") -> str:
     return f"{statistics.median(xs):.4g}{unit} [{min(xs):.4g}, {max(xs):.4g}]"
 
 
+def gemm_gflops(repeats: int, n: int = 2048) -> list[float]:
+    """This machine's float32 GEMM rate: `repeats` timings of a square n x n matmul, GFLOP/s."""
+    import time
+
+    a = mx.random.normal((n, n))
+    b = mx.random.normal((n, n))
+    mx.eval(a, b, a @ b)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(a @ b)
+        out.append(2 * n**3 / (time.perf_counter() - t0) / 1e9)
+    return out
+
+
 def random_weights_model(config_json: str | Path, dtype: mx.Dtype):
     """The architecture of `config_json` with mlx's default random init, cast to `dtype`
     (timings and memory do not depend on the weight values)."""

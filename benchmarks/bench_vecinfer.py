@@ -37,19 +37,7 @@ from veloxquant.kernels import backend as kernel_backend
 from veloxquant.methods.vecinfer import DEFAULTS, METHOD
 from veloxquant.methods.vecinfer.calibrate import n_books
 from veloxquant.model_import import load_model
-from _common import fmt, model_dtype, random_weights_model
-
-
-def gemm_gflops(repeats: int, n: int = 2048) -> list[float]:
-    a = mx.random.normal((n, n))
-    b = mx.random.normal((n, n))
-    mx.eval(a, b, a @ b)
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(a @ b)
-        out.append(2 * n**3 / (time.perf_counter() - t0) / 1e9)
-    return out
+from _common import fmt, gemm_gflops, model_dtype, random_weights_model
 
 
 def kmeans_flops(

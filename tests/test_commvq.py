@@ -116,6 +116,20 @@ def test_plain_product_vq_fails_the_same_test():
     # ... while the same check passes for CommVQ at the same positions (previous test).
 
 
+def test_the_encoders_kernel_path_has_the_score_block_paths_bits(monkeypatch):
+    from veloxquant import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels are not built here")
+    theta = random_theta(5, 3, 1, 16)[:, 0]
+    x = mx.random.normal((3, 700, 16, 2), key=mx.random.key(8)) * 0.3
+    got = cb.nearest_codewords(x, theta, chunk_elems=1 << 18)  # several chunks
+    monkeypatch.setattr(cpu_kernels, "usable", lambda *a: False)
+    want = cb.nearest_codewords(x, theta, chunk_elems=1 << 18)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.array(a).view(np.uint32), np.array(b).view(np.uint32))
+
+
 def test_separable_encoding_equals_brute_force():
     g, n, p = 3, 300, 16
     theta = random_theta(5, g, 1, p)[:, 0]

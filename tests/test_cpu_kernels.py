@@ -202,6 +202,43 @@ def test_swiglu_has_mlx_lm_bits_and_gradients():
         np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_quantized_matmul_has_mlx_bits_both_ways(bits, group_size):
+    mx.random.seed(bits * 1000 + group_size)
+    # a cache of 2 sequences x 3 KV heads, shared by 2 query heads each (broadcast), with query
+    # and key counts that leave every tail of the kernel something to do
+    cached = mx.random.normal((2, 3, 1, 2 * group_size + 8 * 3, 128)) * 4
+    w, scales, biases = mx.quantize(cached, group_size=group_size, bits=bits)
+    queries = mx.random.normal((2, 3, 2, 37, 128))
+    probs = mx.softmax(mx.random.normal((2, 3, 2, 37, cached.shape[-2])), axis=-1)
+    # the scores' matmul (transposed) and the probabilities' with the values (not)
+    for x, transpose in ((queries, True), (probs, False)):
+        args = dict(transpose=transpose, group_size=group_size, bits=bits)
+        got = cpu_kernels.quantized_matmul(x, w, scales, biases, **args)
+        want = mx.quantized_matmul(x, w, scales, biases, **args)
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_quantized_matmul_takes_non_finite_inputs_and_gradients_as_mlx_does():
+    mx.random.seed(3)
+    w, scales, biases = mx.quantize(mx.random.normal((3, 96, 64)), group_size=64, bits=4)
+    x = mx.random.normal((3, 20, 64))
+    x[0, 0, 0], x[1, 2, 5], x[2, 3, 7], x[2, 4, 0] = np.nan, np.inf, -np.inf, -0.0
+    args = dict(transpose=True, group_size=64, bits=4)
+    np.testing.assert_array_equal(
+        _bits(cpu_kernels.quantized_matmul(x, w, scales, biases, **args)),
+        _bits(mx.quantized_matmul(x, w, scales, biases, **args)),
+    )
+    cot = mx.random.normal((3, 19, 96))
+    grads = [
+        mx.grad(lambda x, f=f: (f(x, w, scales, biases, **args) * cot).sum())(x[:, 1:])
+        for f in (cpu_kernels.quantized_matmul, mx.quantized_matmul)
+    ]
+    np.testing.assert_array_equal(_bits(grads[0]), _bits(grads[1]))
+
+
 def test_softmax_leaves_other_dtypes_and_devices_to_mlx():
     x = mx.random.normal((3, 20)).astype(mx.bfloat16)
     got = cpu_kernels.softmax(x)
@@ -340,3 +377,24 @@ def test_where_it_is_not_needed_the_fallback_is_quiet(monkeypatch, caplog):
         assert not cpu_kernels.available()
     assert [r.levelname for r in caplog.records] == ["DEBUG"]
     assert "not x86-64 Linux" in caplog.text
+
+
+@pytest.mark.parametrize("k", [64, 13])  # CommVQ's 64 atoms, and a width with a scalar tail
+def test_nearest_pair_codeword_is_the_score_blocks_argmin(k):
+    from veloxquant.methods.commvq.codebook import partial_sq_distances
+
+    mx.random.seed(k)
+    u, v = mx.random.normal((2, 3, 500, k)) * 3
+    cross = mx.random.normal((3, k, k))
+    v = mx.concatenate([v[:, :, : k // 2], v[:, :, : k - k // 2]], axis=-1)  # exact ties
+    cross = cross * 0 if k == 13 else cross
+    codes, best = cpu_kernels.nearest_pair_codeword(u, v, cross)
+    scores = partial_sq_distances(u, v, cross)
+    want = mx.argmin(scores, axis=-1)
+    np.testing.assert_array_equal(np.array(codes), np.array(want))
+    np.testing.assert_array_equal(
+        _bits(best), _bits(mx.take_along_axis(scores, want[..., None], axis=-1)[..., 0])
+    )
+    u[1, 7, 3] = np.nan
+    with pytest.raises(RuntimeError, match="NaN"):
+        mx.eval(cpu_kernels.nearest_pair_codeword(u, v, cross))

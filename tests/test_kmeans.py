@@ -183,3 +183,95 @@ def test_host_assignment_is_bit_identical_to_nearest(sub_dim, k):
     assert int((np.array(want_codes) >= k // 2).sum()) == 0  # ties went to the first copy
     np.testing.assert_array_equal(np.array(codes), np.array(want_codes))
     np.testing.assert_array_equal(np.array(err), np.array(want_err))
+
+
+needs_kernels = pytest.mark.skipif(
+    not __import__("veloxquant.cpu_kernels").cpu_kernels.wanted_here(),
+    reason="the CPU kernels are for x86-64 Linux",
+)
+
+
+def _captured_keys(calib_dir, sub_dim: int) -> mx.array:
+    """Real pre-RoPE keys of three layers of the real model, as sub-vectors [3, n, sub_dim]."""
+    from veloxquant.capture import load_activations
+
+    layers = [load_activations(calib_dir / "activations", i)["k_pre"] for i in (0, 7, 29)]
+    x = mx.stack([k[:, 0].astype(mx.float32) for k in layers]).reshape(3, -1)  # head 0
+    n = x.shape[1] // sub_dim
+    return x[:, : n * sub_dim].reshape(3, n, sub_dim)
+
+
+@needs_kernels
+@pytest.mark.parametrize("sub_dim", [1, 2, 3, 4, 5, 6])
+def test_the_assignment_kernel_has_the_gemm_paths_bits_on_real_keys(calib_dir, sub_dim):
+    from veloxquant import cpu_kernels
+    from veloxquant.kmeans import _nearest_on_host, augment_codebook
+
+    x = _captured_keys(calib_dir, sub_dim)
+    rng = np.random.default_rng(sub_dim)
+    for c in (
+        x[:, mx.array(rng.choice(x.shape[1], 200, replace=False))],  # one codebook per group
+        x[:1, mx.array(rng.choice(x.shape[1], 64, replace=False))],  # one shared by all
+    ):
+        codes, err = cpu_kernels.nearest_centroid(x, c)
+        want_codes, want_err = _nearest_on_host(x, augment_codebook(c))
+        np.testing.assert_array_equal(np.array(codes), np.array(want_codes))
+        np.testing.assert_array_equal(np.array(err), np.array(want_err))
+
+
+@needs_kernels
+def test_the_assignment_kernel_fails_closed_where_it_would_not_match():
+    from veloxquant import cpu_kernels
+    from veloxquant.kmeans import _kernels_take
+
+    x = mx.random.normal((2, 100, 7))
+    assert not _kernels_take(x)  # d + 1 = 8: OpenBLAS sums in another order; the GEMM runs
+    with pytest.raises(ValueError, match="d <= 6"):
+        cpu_kernels.nearest_centroid(x, x[:, :10])
+    x = mx.random.normal((2, 100, 2))
+    c = mx.concatenate([x[:, :9], mx.full((2, 1, 2), np.nan)], axis=1)
+    with pytest.raises(RuntimeError, match="NaN"):
+        mx.eval(cpu_kernels.nearest_centroid(x, c))
+
+
+@needs_kernels
+def test_the_cluster_sums_kernel_is_the_scatter_add_bit_for_bit():
+    from veloxquant import cpu_kernels
+
+    rng = np.random.default_rng(0)
+    x = mx.array((rng.normal(size=(3, 5000, 4)) * 10).astype(np.float32))
+    codes = mx.array(rng.integers(0, 37, (3, 5000)).astype(np.uint32))
+    flat = (codes + (mx.arange(3, dtype=mx.uint32) * 37)[:, None]).reshape(-1)
+    want = mx.zeros((3 * 37, 4)).at[flat].add(x.reshape(-1, 4)).reshape(3, 37, 4)
+    want_counts = mx.zeros((3 * 37,)).at[flat].add(1.0).reshape(3, 37)
+    sums, counts = cpu_kernels.cluster_sums(x, codes, 37)
+    np.testing.assert_array_equal(np.array(sums).view(np.uint32), np.array(want).view(np.uint32))
+    np.testing.assert_array_equal(np.array(counts), np.array(want_counts))
+    with pytest.raises(RuntimeError, match=">= k"):
+        mx.eval(cpu_kernels.cluster_sums(x, codes, 30))
+
+
+@needs_kernels
+@pytest.mark.parametrize("sub_dim,bits", [(2, 6), (4, 8)])
+def test_kmeans_on_the_kernels_is_kmeans_on_mlx_bit_for_bit(calib_dir, monkeypatch, sub_dim, bits):
+    import veloxquant.kmeans as km
+
+    x = _captured_keys(calib_dir, sub_dim)
+    got = km.kmeans(x, 2**bits, iters=4, seed=0, progress=False)
+    monkeypatch.setattr(km, "_kernels_take", lambda x: False)
+    want = km.kmeans(x, 2**bits, iters=4, seed=0, progress=False)
+    np.testing.assert_array_equal(
+        np.array(got.centroids).view(np.uint32), np.array(want.centroids).view(np.uint32)
+    )
+    np.testing.assert_array_equal(np.array(got.counts), np.array(want.counts))
+    assert got.history == want.history
+
+
+def test_the_subsample_takes_the_draws_mlx_argsort_takes_ties_included():
+    from veloxquant.kmeans import _smallest_first
+
+    u = mx.random.uniform(shape=(4, 20000), key=mx.random.key(1))
+    for draws in (u, mx.round(u * 300) / 300):  # many exact ties
+        for k in (1, 17, 4999):
+            want = np.array(mx.argsort(draws, axis=1)[:, :k])
+            np.testing.assert_array_equal(_smallest_first(np.array(draws), k), want)

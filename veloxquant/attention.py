@@ -135,7 +135,7 @@ def cpu_quantized_attention(
     """mlx-lm's `quantized_scaled_dot_product_attention` (mask "causal" or None) bit for bit:
     its scaled queries, the scores' quantized matmul (queries grouped by KV head), masked
     scores set to the lowest float, the softmax, the probabilities' quantized matmul with the
-    values; with the masked softmax from `veloxquant.cpu_kernels.causal_softmax`."""
+    values; with the masked softmax and the quantized matmuls of `veloxquant.cpu_kernels`."""
     n_batch, n_q_heads, n_queries, head_dim = queries.shape
     n_kv_heads = keys[0].shape[-3]
     repeats = n_q_heads // n_kv_heads
@@ -144,9 +144,13 @@ def cpu_quantized_attention(
         queries = queries.reshape(n_batch, n_kv_heads, repeats, n_queries, head_dim)
         keys = tuple(mx.expand_dims(a, -3) for a in keys)
         values = tuple(mx.expand_dims(a, -3) for a in values)
-    scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size, bits=bits)
+    scores = cpu_kernels.quantized_matmul(
+        queries, *keys, transpose=True, group_size=group_size, bits=bits
+    )
     probs = _probabilities(scores, mask)
-    out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)
+    out = cpu_kernels.quantized_matmul(
+        probs, *values, transpose=False, group_size=group_size, bits=bits
+    )
     return out.reshape(n_batch, n_q_heads, n_queries, -1) if repeats > 1 else out
 
 

@@ -21,8 +21,10 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -200,28 +202,144 @@ __attribute__((target("avx2,fma"))) void exp_span(const float* in, float* out, i
   }
 }
 
+// mlx/backend/cpu/quantized.cpp's affine quantized matmul (float32, one lane): each weight is
+// `scale * q + bias` and each product `x * w` is added to a sum that starts at 0, in the order of
+// the inner index, every operation rounded on its own (the build has -ffp-contract=off, so no
+// multiply-add is fused). Here the weights of one batch entry are dequantized once, into
+// `dense` [K, N], and eight or sixteen outputs of a row are summed side by side, each still in
+// the inner index's order: the same additions, so the same bits.
+
+// Code i of a row of `bits`-bit codes, which MLX packs as one little-endian bit stream.
+inline uint32_t code_at(const uint8_t* row, int64_t i, int bits) {
+  const int64_t bit = i * bits;
+  const uint8_t* p = row + (bit >> 3);
+  const int shift = static_cast<int>(bit & 7);
+  uint32_t v = static_cast<uint32_t>(p[0]) >> shift;
+  if (shift + bits > 8) v |= static_cast<uint32_t>(p[1]) << (8 - shift);
+  return v & ((1u << bits) - 1u);
+}
+
+// w [rows, cols] codes (row_bytes each), scales/biases [rows, cols / group] -> dense [K, N]:
+// dense[k][n] = w[n][k] when transposed (w is [N, K]), else w[k][n].
+void dequantize_block(
+    const uint8_t* w, const float* scales, const float* biases, float* dense, int64_t rows,
+    int64_t cols, int64_t row_bytes, int group, int bits, bool transposed) {
+  const int64_t groups = cols / group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* codes = w + r * row_bytes;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float scale = scales[r * groups + c / group];
+      const float bias = biases[r * groups + c / group];
+      float value = scale * static_cast<float>(code_at(codes, c, bits));
+      value = value + bias;
+      if (transposed) {
+        dense[c * rows + r] = value;
+      } else {
+        dense[r * cols + c] = value;
+      }
+    }
+  }
+}
+
+// out[m][n] = sum over k = 0, 1, ... of x[m][k] * b[k][n], for R rows of x at a time.
+template <int R>
+__attribute__((target("avx2,fma"))) void sequential_gemm_rows(
+    const float* x, const float* b, float* out, int64_t N, int64_t K) {
+  int64_t n = 0;
+  for (; n + 16 <= N; n += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(b + k * N + n);
+      const __m256 b1 = _mm256_loadu_ps(b + k * N + n + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xr = _mm256_set1_ps(x[r * K + k]);
+        acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_mul_ps(xr, b0));
+        acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_mul_ps(xr, b1));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(out + r * N + n, acc[r][0]);
+      _mm256_storeu_ps(out + r * N + n + 8, acc[r][1]);
+    }
+  }
+  for (; n + 8 <= N; n += 8) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(b + k * N + n);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(x[r * K + k]), b0));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * N + n, acc[r]);
+  }
+  for (; n < N; ++n) {
+    for (int r = 0; r < R; ++r) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const float product = x[r * K + k] * b[k * N + n];
+        sum = sum + product;
+      }
+      out[r * N + n] = sum;
+    }
+  }
+}
+
+void sequential_gemm(const float* x, const float* b, float* out, int64_t M, int64_t N, int64_t K) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) sequential_gemm_rows<4>(x + m * K, b, out + m * N, N, K);
+  for (; m < M; ++m) sequential_gemm_rows<1>(x + m * K, b, out + m * N, N, K);
+}
+
 void check_row_contiguous(const mx::array& a) {
   if (!a.flags().row_contiguous) {
     throw std::runtime_error("[veloxquant.cpu_kernels] expected a row-contiguous input");
   }
 }
 
+// The start of every kernel's eval: the inputs checked row-contiguous, the outputs allocated, both
+// registered with the CPU stream's encoder (which keeps them alive until the task has run).
+mx::cpu::CommandEncoder& begin_eval(
+    mx::Stream stream, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (const auto& a : inputs) check_row_contiguous(a);
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    encoder.set_output_array(o);
+  }
+  return encoder;
+}
+
+// Per-thread flags of a failed check, raised as one error after the threads have joined.
+void throw_if_any(const std::vector<char>& flags, const char* message) {
+  if (std::any_of(flags.begin(), flags.end(), [](char f) { return f != 0; })) {
+    throw std::runtime_error(message);
+  }
+}
+
+class CpuPrimitive : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[veloxquant.cpu_kernels] runs on the CPU only");
+  }
+};
+
 enum class Kind { exp, softmax, causal_softmax, logsumexp, swiglu };
 
 // One primitive for the kernels: each output element depends on its own row (or, for exp and
 // swiglu, its own element), so a row-contiguous input and a fresh output are all they need.
-class RowKernel : public mx::Primitive {
+class RowKernel : public CpuPrimitive {
  public:
   RowKernel(mx::Stream stream, Kind kind, int64_t offset)
-      : mx::Primitive(stream), kind_(kind), offset_(offset) {}
+      : CpuPrimitive(stream), kind_(kind), offset_(offset) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (const auto& a : inputs) check_row_contiguous(a);
+    auto& encoder = begin_eval(stream(), inputs, outputs);
     mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
     const float* in = inputs[0].data<float>();
     float* o = out.data<float>();
     const int64_t n = inputs[0].ndim() == 0 ? 1 : inputs[0].shape().back();
@@ -264,10 +382,6 @@ class RowKernel : public mx::Primitive {
     }
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[veloxquant.cpu_kernels] runs on the CPU only");
-  }
-
   const char* name() const override {
     return "VeloxquantCpuRowKernel";
   }
@@ -280,6 +394,384 @@ class RowKernel : public mx::Primitive {
  private:
   Kind kind_;
   int64_t offset_;
+};
+
+// x [batch, M, K] @ the dequantized w of each batch entry, inputs (x, w, scales, biases,
+// source) row-contiguous: source [batch] int32 names the entry of w's own batch (and of the
+// scales' and biases') that each of x's uses, so a w broadcast over query heads is neither
+// copied nor dequantized again.
+class QuantizedMatmul : public CpuPrimitive {
+ public:
+  QuantizedMatmul(mx::Stream stream, bool transposed, int group, int bits)
+      : CpuPrimitive(stream), transposed_(transposed), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = begin_eval(stream(), inputs, outputs);
+    const mx::array &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
+    mx::array& out = outputs[0];
+    const int64_t K = x.shape(-1), M = x.shape(-2), N = out.shape(-1);
+    const int64_t batch = M * K == 0 ? 0 : static_cast<int64_t>(x.size()) / (M * K);
+    const int64_t w_rows = w.shape(-2), w_cols = transposed_ ? K : N;
+    const int64_t row_bytes = w.shape(-1) * 4;
+    const int64_t scale_step = scales.shape(-2) * scales.shape(-1);
+    const float *xp = x.data<float>(), *sp = scales.data<float>(), *bp = biases.data<float>();
+    const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
+    const int32_t* source = inputs[4].data<int32_t>();
+    float* op = out.data<float>();
+    const bool transposed = transposed_;
+    const int group = group_, bits = bits_;
+    encoder.dispatch([=]() {
+      std::vector<float> dense(K * N);
+      int64_t dequantized = -1;
+      for (int64_t i = 0; i < batch; ++i) {
+        const int64_t j = source[i];  // which of w's batch entries this one broadcasts
+        if (j != dequantized) {
+          dequantize_block(
+              wp + j * w_rows * row_bytes, sp + j * scale_step, bp + j * scale_step,
+              dense.data(), w_rows, w_cols, row_bytes, group, bits, transposed);
+          dequantized = j;
+        }
+        sequential_gemm(xp + i * M * K, dense.data(), op + i * M * N, M, N, K);
+      }
+    });
+  }
+
+  const char* name() const override {
+    return "VeloxquantCpuQuantizedMatmul";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedMatmul&>(other);
+    return transposed_ == o.transposed_ && group_ == o.group_ && bits_ == o.bits_;
+  }
+
+ private:
+  bool transposed_;
+  int group_;
+  int bits_;
+};
+
+// veloxquant/kmeans.py's assignment and cluster sums, with its bits. Its nearest centroid is
+// the argmin over centroids j of the GEMM [x | 1] @ [-2c_j | |c_j|^2], which OpenBLAS's Haswell
+// sgemm kernel (pinned by veloxquant._platform) sums as one fused multiply-add per term, in
+// order, from zero: s = fma(x_0, -2c_j0, 0), s = fma(x_i, -2c_ji, s), ..., s + |c_j|^2, where
+// |c_j|^2 and |x|^2 are MLX's one-lane sums of the rounded squares. The first smallest score
+// wins, as numpy's argmin takes it; the error is max(score + |x|^2, 0). Eight points run side
+// by side against one centroid at a time, without a score block in memory.
+
+// Runs fn(part, parts) on up to `parts` threads, each over its own part of the work (the result
+// of each part does not depend on how many there are, so neither do the bits).
+template <typename Fn>
+void run_parts(int64_t parts, Fn fn) {
+  parts = std::max<int64_t>(1, parts);
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < parts; ++t) threads.emplace_back(fn, t, parts);
+  fn(0, parts);
+  for (auto& th : threads) th.join();
+}
+
+int64_t worker_threads(int64_t work) {
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  return work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(cores, 8);
+}
+
+// Points [begin, end) of one group: x [n, D] row-major, aug [k, D] = -2c, norms [k] = |c|^2.
+// Four blocks of eight points go through the centroids together, so that the compare-and-keep
+// of one block does not wait on the previous centroid's (min(score, best) keeps best unless
+// score < best, as the first-minimum rule does). Returns whether any score was NaN.
+template <int D>
+__attribute__((target("avx2,fma"))) bool nearest_points(
+    const float* x, const float* aug, const float* norms, int64_t begin, int64_t end, int64_t k,
+    uint32_t* codes, float* err) {
+  constexpr int B = 4;
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 any_nan = zero;
+  alignas(32) float lanes[B][D][8];
+  alignas(32) uint32_t best_code[B][8];
+  alignas(32) float best_err[B][8];
+  for (int64_t p = begin; p < end; p += 8 * B) {
+    __m256 xs[B][D], best[B], x_sq[B];
+    __m256i best_j[B];
+    for (int blk = 0; blk < B; ++blk) {
+      for (int i = 0; i < D; ++i) {
+        for (int q = 0; q < 8; ++q) {
+          const int64_t point = p + blk * 8 + q;
+          lanes[blk][i][q] = point < end ? x[point * D + i] : 0.0f;
+        }
+        xs[blk][i] = _mm256_load_ps(lanes[blk][i]);
+      }
+      x_sq[blk] = zero;
+      for (int i = 0; i < D; ++i) {
+        x_sq[blk] = _mm256_add_ps(x_sq[blk], _mm256_mul_ps(xs[blk][i], xs[blk][i]));
+      }
+      best[blk] = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+      best_j[blk] = _mm256_setzero_si256();
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      const float* a = aug + j * D;
+      __m256 av[D];
+      for (int i = 0; i < D; ++i) av[i] = _mm256_set1_ps(a[i]);
+      const __m256 norm = _mm256_set1_ps(norms[j]);
+      const __m256 jv = _mm256_castsi256_ps(_mm256_set1_epi32(int(j)));
+      for (int blk = 0; blk < B; ++blk) {
+        __m256 score = _mm256_fmadd_ps(xs[blk][0], av[0], zero);
+        for (int i = 1; i < D; ++i) score = _mm256_fmadd_ps(xs[blk][i], av[i], score);
+        score = _mm256_add_ps(score, norm);
+        const __m256 less = _mm256_cmp_ps(score, best[blk], _CMP_LT_OQ);
+        any_nan = _mm256_or_ps(any_nan, _mm256_cmp_ps(score, score, _CMP_UNORD_Q));
+        best[blk] = _mm256_min_ps(score, best[blk]);
+        best_j[blk] = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(best_j[blk]), jv, less));
+      }
+    }
+    for (int blk = 0; blk < B; ++blk) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(best_code[blk]), best_j[blk]);
+      _mm256_store_ps(best_err[blk], _mm256_max_ps(_mm256_add_ps(best[blk], x_sq[blk]), zero));
+      for (int q = 0; q < 8; ++q) {
+        const int64_t point = p + blk * 8 + q;
+        if (point < end) {
+          codes[point] = best_code[blk][q];
+          err[point] = best_err[blk][q];
+        }
+      }
+    }
+  }
+  return _mm256_movemask_ps(any_nan) != 0;
+}
+
+bool nearest_points_of_dim(
+    int d, const float* x, const float* aug, const float* norms, int64_t begin, int64_t end,
+    int64_t k, uint32_t* codes, float* err) {
+  switch (d) {
+    case 1: return nearest_points<1>(x, aug, norms, begin, end, k, codes, err);
+    case 2: return nearest_points<2>(x, aug, norms, begin, end, k, codes, err);
+    case 3: return nearest_points<3>(x, aug, norms, begin, end, k, codes, err);
+    case 4: return nearest_points<4>(x, aug, norms, begin, end, k, codes, err);
+    case 5: return nearest_points<5>(x, aug, norms, begin, end, k, codes, err);
+    case 6: return nearest_points<6>(x, aug, norms, begin, end, k, codes, err);
+    case 8: return nearest_points<8>(x, aug, norms, begin, end, k, codes, err);
+    case 16: return nearest_points<16>(x, aug, norms, begin, end, k, codes, err);
+    default:
+      throw std::invalid_argument(
+          "[veloxquant.cpu_kernels] nearest_centroid takes d = 1-6, 8 or 16");
+  }
+}
+
+// x [G, n, d], c [G or 1, k, d] -> codes [G, n] uint32, squared errors [G, n] float32.
+class NearestCentroid : public CpuPrimitive {
+ public:
+  explicit NearestCentroid(mx::Stream stream) : CpuPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = begin_eval(stream(), inputs, outputs);
+    const mx::array &x = inputs[0], &c = inputs[1];
+    const int64_t groups = x.shape(0), n = x.shape(1), k = c.shape(1);
+    const int d = static_cast<int>(x.shape(2));
+    const bool shared = c.shape(0) == 1;
+    const float *xp = x.data<float>(), *cp = c.data<float>();
+    uint32_t* codes = outputs[0].data<uint32_t>();
+    float* err = outputs[1].data<float>();
+    encoder.dispatch([=]() {
+      // -2c and |c|^2 as kmeans.augment_codebook computes them
+      const int64_t books = shared ? 1 : groups;
+      std::vector<float> aug(books * k * d), norms(books * k);
+      for (int64_t b = 0; b < books * k; ++b) {
+        float norm = 0.0f;
+        for (int i = 0; i < d; ++i) {
+          const float v = cp[b * d + i];
+          aug[b * d + i] = -2.0f * v;
+          norm = norm + v * v;
+        }
+        norms[b] = norm;
+      }
+      // Each thread takes a contiguous run of blocks of eight points of every group.
+      std::vector<char> nan(8, 0);
+      const int64_t blocks = (n + 7) / 8;
+      run_parts(worker_threads(groups * n * k), [&](int64_t part, int64_t parts) {
+        const int64_t begin = std::min(n, blocks * part / parts * 8);
+        const int64_t end = std::min(n, blocks * (part + 1) / parts * 8);
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t b = shared ? 0 : g;
+          nan[part] |= nearest_points_of_dim(
+              d, xp + g * n * d, aug.data() + b * k * d, norms.data() + b * k, begin, end, k,
+              codes + g * n, err + g * n);
+        }
+      });
+      throw_if_any(
+          nan,
+          "[veloxquant.cpu_kernels] nearest_centroid: a distance is NaN (non-finite vectors or "
+          "centroids)");
+    });
+  }
+
+  const char* name() const override {
+    return "VeloxquantCpuNearestCentroid";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
+// CommVQ's nearest of K*K codewords (veloxquant/methods/commvq/codebook.py): the score of code
+// a*K + b is (u_a + v_b) + cross_ab, as its broadcast adds round it; the first smallest wins, as
+// MLX's argmin takes it. Eight running minima (one per run of eight b's, modulo eight) keep
+// the compares independent; in each lane of each the codes only grow, so each keeps its first
+// minimum, and of the 64 the smallest score with the smallest code is MLX's. Rows [begin, end)
+// of one group; returns whether any score was NaN.
+__attribute__((target("avx2,fma"))) bool nearest_pair_rows(
+    const float* u, const float* v, const float* cross, int64_t begin, int64_t end, int64_t k,
+    uint32_t* codes, float* best_out) {
+  constexpr int R = 8;
+  const int64_t vec = k / 8 * 8;
+  const float inf = std::numeric_limits<float>::infinity();
+  __m256 any_nan = _mm256_setzero_ps();
+  alignas(32) float lane_best[R][8];
+  alignas(32) uint32_t lane_code[R][8];
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t row = begin; row < end; ++row) {
+    const float* ur = u + row * k;
+    const float* vr = v + row * k;
+    __m256 best[R];
+    __m256i best_code[R];
+    for (int r = 0; r < R; ++r) {
+      best[r] = _mm256_set1_ps(inf);
+      best_code[r] = _mm256_setzero_si256();
+    }
+    float tail_best = inf;
+    uint32_t tail_code = 0;
+    bool tail_nan = false;
+    for (int64_t a = 0; a < k; ++a) {
+      const __m256 ua = _mm256_set1_ps(ur[a]);
+      const float* ca = cross + a * k;
+      for (int64_t b = 0; b < vec; b += 8) {
+        const int r = static_cast<int>((b / 8) % R);
+        const __m256 score = _mm256_add_ps(
+            _mm256_add_ps(ua, _mm256_loadu_ps(vr + b)), _mm256_loadu_ps(ca + b));
+        const __m256 less = _mm256_cmp_ps(score, best[r], _CMP_LT_OQ);
+        any_nan = _mm256_or_ps(any_nan, _mm256_cmp_ps(score, score, _CMP_UNORD_Q));
+        best[r] = _mm256_min_ps(score, best[r]);
+        const __m256i code = _mm256_add_epi32(_mm256_set1_epi32(int(a * k + b)), lane);
+        best_code[r] = _mm256_castps_si256(_mm256_blendv_ps(
+            _mm256_castsi256_ps(best_code[r]), _mm256_castsi256_ps(code), less));
+      }
+      for (int64_t b = vec; b < k; ++b) {
+        float score = ur[a] + vr[b];
+        score = score + ca[b];
+        tail_nan |= score != score;
+        if (score < tail_best) {
+          tail_best = score;
+          tail_code = static_cast<uint32_t>(a * k + b);
+        }
+      }
+    }
+    float m = tail_best;
+    uint32_t c = tail_code;
+    if (vec) {
+      for (int r = 0; r < R; ++r) {
+        _mm256_store_ps(lane_best[r], best[r]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lane_code[r]), best_code[r]);
+        for (int q = 0; q < 8; ++q) {
+          if (lane_best[r][q] < m || (lane_best[r][q] == m && lane_code[r][q] < c)) {
+            m = lane_best[r][q];
+            c = lane_code[r][q];
+          }
+        }
+      }
+    }
+    codes[row] = c;
+    best_out[row] = m;
+    if (tail_nan) any_nan = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  }
+  return _mm256_movemask_ps(any_nan) != 0;
+}
+
+// u, v [G, n, K], cross [G, K, K] -> codes [G, n] uint32 (a*K + b), smallest scores [G, n].
+class NearestPairCodeword : public CpuPrimitive {
+ public:
+  explicit NearestPairCodeword(mx::Stream stream) : CpuPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = begin_eval(stream(), inputs, outputs);
+    const int64_t groups = inputs[0].shape(0), n = inputs[0].shape(1), k = inputs[0].shape(2);
+    const float *u = inputs[0].data<float>(), *v = inputs[1].data<float>();
+    const float* cross = inputs[2].data<float>();
+    uint32_t* codes = outputs[0].data<uint32_t>();
+    float* best = outputs[1].data<float>();
+    encoder.dispatch([=]() {
+      std::vector<char> nan(8, 0);
+      run_parts(worker_threads(groups * n * k * k / 8), [&](int64_t part, int64_t parts) {
+        const int64_t begin = n * part / parts, end = n * (part + 1) / parts;
+        for (int64_t g = 0; g < groups; ++g) {
+          nan[part] |= nearest_pair_rows(
+              u + g * n * k, v + g * n * k, cross + g * k * k, begin, end, k, codes + g * n,
+              best + g * n);
+        }
+      });
+      throw_if_any(
+          nan,
+          "[veloxquant.cpu_kernels] nearest_pair_codeword: a score is NaN (non-finite vectors "
+          "or codebook)");
+    });
+  }
+
+  const char* name() const override {
+    return "VeloxquantCpuNearestPairCodeword";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
+// Sum and count of the vectors assigned to each centroid, in the order of the vectors, as MLX's
+// CPU scatter-add accumulates them: x [G, n, d], codes [G, n] -> sums [G, k, d], counts [G, k].
+class ClusterSums : public CpuPrimitive {
+ public:
+  ClusterSums(mx::Stream stream, int64_t k) : CpuPrimitive(stream), k_(k) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = begin_eval(stream(), inputs, outputs);
+    const mx::array &x = inputs[0], &codes = inputs[1];
+    const int64_t groups = x.shape(0), n = x.shape(1), d = x.shape(2), k = k_;
+    const float* xp = x.data<float>();
+    const uint32_t* cp = codes.data<uint32_t>();
+    float* sums = outputs[0].data<float>();
+    float* counts = outputs[1].data<float>();
+    encoder.dispatch([=]() {
+      std::vector<char> bad(8, 0);
+      run_parts(std::min<int64_t>(groups, worker_threads(groups * n * d)), [&](int64_t part,
+                                                                            int64_t parts) {
+        for (int64_t g = groups * part / parts; g < groups * (part + 1) / parts; ++g) {
+          float* s = sums + g * k * d;
+          float* c = counts + g * k;
+          std::fill(s, s + k * d, 0.0f);
+          std::fill(c, c + k, 0.0f);
+          for (int64_t p = 0; p < n; ++p) {
+            const uint32_t j = cp[g * n + p];
+            if (j >= k) {
+              bad[part] = 1;
+              continue;
+            }
+            for (int64_t i = 0; i < d; ++i) s[j * d + i] = s[j * d + i] + xp[(g * n + p) * d + i];
+            c[j] = c[j] + 1.0f;
+          }
+        }
+      });
+      throw_if_any(bad, "[veloxquant.cpu_kernels] cluster_sums: a code is >= k");
+    });
+  }
+
+  const char* name() const override {
+    return "VeloxquantCpuClusterSums";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return k_ == static_cast<const ClusterSums&>(other).k_;
+  }
+
+ private:
+  int64_t k_;
 };
 
 mx::Stream cpu_stream() {
@@ -346,6 +838,109 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
       {mx::contiguous(gate, false, s), mx::contiguous(up, false, s)});
 }
 
+// MLX's affine `quantized_matmul(x, w, scales, biases, transpose, group_size, bits)` for
+// float32 x, scales and biases: batch axes broadcast as MLX broadcasts them.
+mx::array quantized_matmul(
+    const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+    bool transpose, int group_size, int bits) {
+  check_float32(x, 2);
+  check_float32(scales, 2);
+  check_float32(biases, 2);
+  if (w.dtype() != mx::uint32 || w.ndim() < 2) {
+    throw std::invalid_argument("[veloxquant.cpu_kernels] quantized_matmul takes uint32 codes");
+  }
+  if (!(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8) ||
+      !(group_size == 32 || group_size == 64 || group_size == 128)) {
+    throw std::invalid_argument(
+        "[veloxquant.cpu_kernels] quantized_matmul takes bits 2-6 or 8 and group size 32, 64 "
+        "or 128");
+  }
+  const int64_t K = x.shape(-1), M = x.shape(-2);
+  const int64_t w_cols = w.shape(-1) * 32 / bits;
+  const int64_t N = transpose ? w.shape(-2) : w_cols;
+  if ((transpose ? w_cols : w.shape(-2)) != K ||
+      scales.shape() != biases.shape() || scales.shape(-2) != w.shape(-2) ||
+      scales.shape(-1) * group_size != w_cols) {
+    throw std::invalid_argument("[veloxquant.cpu_kernels] quantized_matmul: shapes do not match");
+  }
+  mx::Shape x_batch(x.shape().begin(), x.shape().end() - 2);
+  mx::Shape w_batch(w.shape().begin(), w.shape().end() - 2);
+  mx::Shape s_batch(scales.shape().begin(), scales.shape().end() - 2);
+  if (s_batch != w_batch) {
+    throw std::invalid_argument(
+        "[veloxquant.cpu_kernels] quantized_matmul: scales and biases need w's batch axes");
+  }
+  const mx::Shape batch = mx::broadcast_shapes(x_batch, w_batch);
+  const mx::Stream s = cpu_stream();
+  mx::Shape x_shape = batch;
+  x_shape.push_back(M);
+  x_shape.push_back(K);
+  int w_entries = 1;
+  for (auto d : w_batch) w_entries *= d;
+  const mx::array source = mx::flatten(
+      mx::broadcast_to(mx::reshape(mx::arange(w_entries, mx::int32, s), w_batch, s), batch, s),
+      s);
+  mx::Shape out_shape = batch;
+  out_shape.push_back(M);
+  out_shape.push_back(N);
+  return mx::array(
+      out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, transpose, group_size, bits),
+      {mx::contiguous(mx::broadcast_to(x, x_shape, s), false, s), mx::contiguous(w, false, s),
+       mx::contiguous(scales, false, s), mx::contiguous(biases, false, s),
+       mx::contiguous(source, false, s)});
+}
+
+std::vector<mx::array> nearest_centroid(const mx::array& x, const mx::array& c) {
+  check_float32(x, 3);
+  check_float32(c, 3);
+  if (x.ndim() != 3 || c.ndim() != 3 || c.shape(2) != x.shape(2) ||
+      !(c.shape(0) == x.shape(0) || c.shape(0) == 1) || c.shape(1) < 1 ||
+      !((x.shape(2) >= 1 && x.shape(2) <= 6) || x.shape(2) == 8 || x.shape(2) == 16)) {
+    throw std::invalid_argument(
+        "[veloxquant.cpu_kernels] nearest_centroid takes x [G, n, d] and c [G or 1, k, d], "
+        "d = 1-6, 8 or 16");
+  }
+  const mx::Stream s = cpu_stream();
+  const mx::Shape shape = {x.shape(0), x.shape(1)};
+  return mx::array::make_arrays(
+      {shape, shape}, {mx::uint32, mx::float32}, std::make_shared<NearestCentroid>(s),
+      {mx::contiguous(x, false, s), mx::contiguous(c, false, s)});
+}
+
+std::vector<mx::array> nearest_pair_codeword(
+    const mx::array& u, const mx::array& v, const mx::array& cross) {
+  check_float32(u, 3);
+  check_float32(v, 3);
+  check_float32(cross, 3);
+  const int64_t k = u.ndim() == 3 ? u.shape(2) : 0;
+  if (u.ndim() != 3 || u.shape() != v.shape() || cross.ndim() != 3 ||
+      cross.shape(0) != u.shape(0) || cross.shape(1) != k || cross.shape(2) != k || k < 1 ||
+      k > 65535) {
+    throw std::invalid_argument(
+        "[veloxquant.cpu_kernels] nearest_pair_codeword takes u, v [G, n, K] and cross "
+        "[G, K, K]");
+  }
+  const mx::Stream s = cpu_stream();
+  const mx::Shape shape = {u.shape(0), u.shape(1)};
+  return mx::array::make_arrays(
+      {shape, shape}, {mx::uint32, mx::float32}, std::make_shared<NearestPairCodeword>(s),
+      {mx::contiguous(u, false, s), mx::contiguous(v, false, s), mx::contiguous(cross, false, s)});
+}
+
+std::vector<mx::array> cluster_sums(const mx::array& x, const mx::array& codes, int64_t k) {
+  check_float32(x, 3);
+  if (x.ndim() != 3 || codes.dtype() != mx::uint32 || codes.ndim() != 2 ||
+      codes.shape(0) != x.shape(0) || codes.shape(1) != x.shape(1) || k < 1) {
+    throw std::invalid_argument(
+        "[veloxquant.cpu_kernels] cluster_sums takes x [G, n, d], uint32 codes [G, n], k >= 1");
+  }
+  const mx::Stream s = cpu_stream();
+  return mx::array::make_arrays(
+      {{x.shape(0), static_cast<int>(k), x.shape(2)}, {x.shape(0), static_cast<int>(k)}},
+      {mx::float32, mx::float32}, std::make_shared<ClusterSums>(s, k),
+      {mx::contiguous(x, false, s), mx::contiguous(codes, false, s)});
+}
+
 // The exp alone, over a buffer of float32s, for the exhaustive comparison with mx.exp.
 __attribute__((target("avx2,fma"))) nb::bytes exp_float32(nb::bytes data) {
   if (data.size() % (8 * sizeof(float)) != 0) {
@@ -373,6 +968,13 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("causal_softmax", &causal_softmax, nb::arg("scores"), nb::arg("offset"));
   m.def("logsumexp", &logsumexp, nb::arg("x"));
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"));
+  m.def(
+      "quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+      nb::arg("biases"), nb::arg("transpose"), nb::arg("group_size"), nb::arg("bits"));
+  m.def("nearest_centroid", &nearest_centroid, nb::arg("x"), nb::arg("c"));
+  m.def("nearest_pair_codeword", &nearest_pair_codeword, nb::arg("u"), nb::arg("v"),
+        nb::arg("cross"));
+  m.def("cluster_sums", &cluster_sums, nb::arg("x"), nb::arg("codes"), nb::arg("k"));
   m.def("exp_float32", &exp_float32, nb::arg("data"));
   m.def("cpu_supported", &cpu_supported);
 }

@@ -1,5 +1,5 @@
-"""MLX's float32 CPU softmax and log-sum-exp and mlx-lm's swiglu, bit for bit, with their exp
-vectorized (x86-64 with AVX2 and FMA).
+"""MLX's float32 CPU softmax, log-sum-exp and affine quantized matmul and mlx-lm's swiglu, bit
+for bit, vectorized (x86-64 with AVX2 and FMA).
 
 MLX's x86 wheels are built for baseline x86-64. There its CPU `exp` runs one element at a time
 and calls libm for every fma and floor, about 30 ns per element: the causal softmax of the
@@ -16,6 +16,12 @@ artifacts do not depend on whether it is built. Gradients are MLX's, op for op.
   only each row's visible part;
 - `logsumexp(x)` = `mx.logsumexp(x, axis=-1, keepdims=True)`;
 - `swiglu(gate, up)` = mlx-lm's `swiglu`;
+- `quantized_matmul(x, w, scales, biases, ...)` = `mx.quantized_matmul` of affine codes (mlx-lm's
+  quantized KV cache), whose CPU loop is scalar too;
+- `nearest_centroid(x, c)` and `cluster_sums(x, codes, k)`: k-means' assignment and its
+  scatter-adds (`veloxquant.kmeans`), without the [vectors, centroids] score block;
+- `nearest_pair_codeword(u, v, cross)`: CommVQ's nearest of its 4096 codewords, without the
+  [vectors, 4096] score block;
 - `vectorized()`: for the duration of a block, mlx-lm's attention on the CPU in float32
   (through `veloxquant.attention.cpu_attention`) and its swiglu use them.
 
@@ -64,11 +70,28 @@ def wanted_here() -> bool:
     return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
 
+CXXFLAGS = (
+    "-std=c++20",
+    "-O2",
+    # every multiply and add rounded on its own, as in MLX's one-lane CPU loops
+    "-ffp-contract=off",
+    "-DNDEBUG",
+    "-fPIC",
+    "-shared",
+    "-fvisibility=hidden",
+    "-fno-strict-aliasing",
+    # nanobind shares MLX's array type only with extensions of MLX's domain.
+    "-DNB_DOMAIN=mlx",
+    "-DNB_COMPACT_ASSERTIONS",
+)
+
+
 def _stamp() -> dict:
-    # What the library was compiled from and against: a change of either needs a rebuild (MLX's
-    # C++ ABI is not stable across releases).
+    # What the library was compiled from, how, and against: a change of any needs a rebuild
+    # (MLX's C++ ABI is not stable across releases).
     return {
         "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "flags": list(CXXFLAGS),
         "mlx": importlib.metadata.version("mlx"),
     }
 
@@ -87,16 +110,7 @@ def build_command(output: Path) -> list[str]:
     mlx_dir = Path(importlib.util.find_spec("mlx").submodule_search_locations[0])
     return [
         os.environ.get("CXX", "g++"),
-        "-std=c++20",
-        "-O2",
-        "-DNDEBUG",
-        "-fPIC",
-        "-shared",
-        "-fvisibility=hidden",
-        "-fno-strict-aliasing",
-        # nanobind shares MLX's array type only with extensions of MLX's domain.
-        "-DNB_DOMAIN=mlx",
-        "-DNB_COMPACT_ASSERTIONS",
+        *CXXFLAGS,
         f"-I{sysconfig.get_paths()['include']}",
         f"-I{nb_dir / 'include'}",
         f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}",
@@ -191,7 +205,8 @@ def available() -> bool:
     return _load() is not None
 
 
-def _usable(*arrays: mx.array) -> bool:
+def usable(*arrays: mx.array) -> bool:
+    """Whether the extension takes these arrays: float32, on the CPU, and built here."""
     return (
         all(a.dtype == mx.float32 for a in arrays) and mx.default_device() == mx.cpu and available()
     )
@@ -199,7 +214,7 @@ def _usable(*arrays: mx.array) -> bool:
 
 def exp(x: mx.array) -> mx.array:
     """`mx.exp(x)`, the same bits, for forward passes (no gradient is defined through it)."""
-    if _usable(x):
+    if usable(x):
         return _module.exp(x)
     return mx.exp(x)
 
@@ -223,7 +238,7 @@ def _native_softmax_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> 
 def softmax(x: mx.array) -> mx.array:
     """`mx.softmax(x, axis=-1, precise=True)`, the same bits; the extension's on the CPU for
     float32."""
-    if x.ndim >= 1 and _usable(x):
+    if x.ndim >= 1 and usable(x):
         return _native_softmax(x)
     return mx.softmax(x, axis=-1, precise=True)
 
@@ -241,7 +256,7 @@ def causal_softmax(scores: mx.array, offset: int) -> mx.array:
     """`softmax(where(causal, scores, lowest))` over the last axis of scores [..., Lq, Lk],
     where query i sees keys j <= offset + i (MLX's causal attention mask), with its bits and
     its gradients' bits; the extension computes only the visible part of each row."""
-    if scores.ndim >= 2 and _usable(scores):
+    if scores.ndim >= 2 and usable(scores):
         return _native_causal_softmax(offset)(scores)
     return mx.softmax(
         mx.where(_visible(scores, offset), scores, _lowest(scores.dtype)), axis=-1, precise=True
@@ -280,7 +295,7 @@ def _native_logsumexp_vjp(primals: Any, cotangent: mx.array, output: mx.array) -
 
 def logsumexp(x: mx.array) -> mx.array:
     """`mx.logsumexp(x, axis=-1, keepdims=True)`, the same bits (and gradients' bits)."""
-    if x.ndim >= 1 and _usable(x):
+    if x.ndim >= 1 and usable(x):
         return _native_logsumexp(x)
     return mx.logsumexp(x, axis=-1, keepdims=True)
 
@@ -303,9 +318,111 @@ def _native_swiglu_vjp(primals: Any, cotangent: mx.array, output: mx.array):
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """mlx-lm's `swiglu(gate, up)` (`nn.silu(gate) * up`), the same bits (and gradients')."""
-    if gate.shape == up.shape and _usable(gate, up):
+    if gate.shape == up.shape and usable(gate, up):
         return _native_swiglu(gate, up)
     return _mlx_swiglu(gate, up)
+
+
+def _mlx_quantized_matmul(transpose: bool, group_size: int, bits: int) -> Any:
+    def fn(x, w, scales, biases):
+        return mx.quantized_matmul(
+            x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits
+        )
+
+    return fn
+
+
+@functools.lru_cache(maxsize=64)
+def _native_quantized_matmul(transpose: bool, group_size: int, bits: int) -> Any:
+    """The extension's quantized matmul for one layout, with MLX's own vjp for x, the scales and
+    the biases (through `mx.vjp` of `mx.quantized_matmul`: the same bits)."""
+    reference = _mlx_quantized_matmul(transpose, group_size, bits)
+
+    @mx.custom_function
+    def fn(x, w, scales, biases):
+        return _module.quantized_matmul(x, w, scales, biases, transpose, group_size, bits)
+
+    @fn.vjp
+    def fn_vjp(primals: Any, cotangent: mx.array, output: mx.array):
+        x, w, scales, biases = primals
+        # MLX defines none for the codes: they get zeros
+        _, grads = mx.vjp(lambda x, s, b: reference(x, w, s, b), [x, scales, biases], [cotangent])
+        return grads[0], mx.zeros_like(w), grads[1], grads[2]
+
+    return fn
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    transpose: bool,
+    group_size: int,
+    bits: int,
+) -> mx.array:
+    """`mx.quantized_matmul` of an affine-quantized w (mlx-lm's quantized KV cache), the same
+    bits; the extension's on the CPU for float32 x, scales and biases, where MLX's is a scalar
+    loop."""
+    if (
+        biases is not None
+        and w.dtype == mx.uint32
+        and x.ndim >= 2
+        and w.ndim >= 2
+        and scales.shape[:-2] == w.shape[:-2]
+        and usable(x, scales, biases)
+    ):
+        return _native_quantized_matmul(transpose, group_size, bits)(x, w, scales, biases)
+    return mx.quantized_matmul(
+        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits
+    )
+
+
+# veloxquant.kmeans scores a vector against a centroid with an OpenBLAS GEMM of inner
+# dimension d + 1; its pinned Haswell kernel sums each score in order (what `nearest_centroid`
+# does) up to d = 6, and in another order from d = 7 on.
+NEAREST_MAX_DIM = 6
+
+
+def nearest_centroid(x: mx.array, c: mx.array) -> tuple[mx.array, mx.array]:
+    """veloxquant.kmeans' nearest centroid, the same codes and errors, without a score block:
+    x [G, n, d] and c [G or 1, k, d] float32 on the CPU, d <= NEAREST_MAX_DIM (see `usable`) ->
+    (codes [G, n] uint32, squared errors [G, n] float32). Raises on a NaN distance."""
+    if not (usable(x, c) and x.ndim == 3 and x.shape[-1] <= NEAREST_MAX_DIM):
+        raise ValueError(
+            "cpu_kernels.nearest_centroid takes float32 x [G, n, d <= 6] on the CPU with the "
+            "extension built; use veloxquant.kmeans.assign"
+        )
+    codes, err = _module.nearest_centroid(x, c)
+    return codes, err
+
+
+def nearest_pair_codeword(u: mx.array, v: mx.array, cross: mx.array) -> tuple[mx.array, mx.array]:
+    """CommVQ's nearest of K*K codewords from its separable terms, the same codes and scores:
+    u, v [G, n, K] and cross [G, K, K] float32 on the CPU -> (codes [G, n] uint32, the first
+    smallest a*K + b of (u_a + v_b) + cross_ab; that score [G, n]), without the [n, K*K] block.
+    Raises on a NaN score."""
+    if not usable(u, v, cross):
+        raise ValueError(
+            "cpu_kernels.nearest_pair_codeword takes float32 arrays on the CPU with the "
+            "extension built"
+        )
+    codes, best = _module.nearest_pair_codeword(u, v, cross)
+    return codes, best
+
+
+def cluster_sums(x: mx.array, codes: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The sum [G, k, d] and count [G, k] (float32) of the vectors x [G, n, d] assigned to each
+    of k centroids by codes [G, n] uint32, added in the order of the vectors as MLX's CPU
+    scatter-add adds them (the same bits); the extension's, on the CPU."""
+    if not (usable(x) and codes.dtype == mx.uint32):
+        raise ValueError(
+            "cpu_kernels.cluster_sums takes float32 x and uint32 codes on the CPU with the "
+            "extension built"
+        )
+    sums, counts = _module.cluster_sums(x, codes, k)
+    return sums, counts
 
 
 @contextlib.contextmanager

@@ -17,6 +17,9 @@ D/sub_dim sub-vectors that share one codebook per group (VecInfer's layout) and 
   are scatter-adds on the CPU, and one-hot GEMMs on a GPU (a GPU scatter-add uses atomics, so
   its float sums depend on thread order). Same inputs + seed give bit-identical centroids on
   one device; the CPU's and a GPU's differ in rounding.
+- On an x86 CPU with `veloxquant.cpu_kernels` built, the assignment (d <= 6) and the cluster
+  sums run there: the same scores summed in the same order, the same codes, sums and centroids
+  bit for bit, without the score block (tests compare both paths).
 - Score blocks of `chunk_elems` (2M floats, 8 MB by default) stay in the CPU's caches between
   the distance GEMM and the argmin; larger blocks made assignment 2.7x slower (memory-bound).
 """
@@ -29,6 +32,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 from tqdm.auto import tqdm
+
+from veloxquant import cpu_kernels
 
 # k-means++ is used up to this many centroids with init="auto" (its K sequential D²-sampling
 # passes dominate beyond it; d8b12's 4096 centroids use sampled init instead).
@@ -126,7 +131,9 @@ def assign(
 ) -> tuple[mx.array, mx.array]:
     """`nearest` over all of x [G, N, d], chunked over N so at most ~chunk_elems scores exist
     at once, each chunk evaluated before the next is built."""
-    g, n, _ = x.shape
+    g, n, d = x.shape
+    if _kernels_take(x):
+        return cpu_kernels.nearest_centroid(x, c.astype(mx.float32))
     c_aug = augment_codebook(c)
     rows = _chunk_rows(g, c.shape[1], n, chunk_elems)
     # numpy's argmin on the CPU for float32 (kmeans' dtype; numpy has no bfloat16)
@@ -145,6 +152,10 @@ def assign(
 
 def _on_gpu() -> bool:
     return mx.default_device() == mx.gpu
+
+
+def _kernels_take(x: mx.array) -> bool:
+    return x.shape[-1] <= cpu_kernels.NEAREST_MAX_DIM and cpu_kernels.usable(x)
 
 
 def cluster_sums(x: mx.array, codes: mx.array, k: int, chunk_elems: int = CHUNK_ELEMS) -> mx.array:
@@ -167,10 +178,29 @@ def _gather_rows(x: mx.array, idx: mx.array) -> mx.array:
     return mx.take_along_axis(x, idx[..., None], axis=1)
 
 
+def _smallest_first(u: np.ndarray, k: int) -> np.ndarray:
+    """`mx.argsort(u, axis=1)[:, :k]` (MLX's CPU argsort is stable: ties in index order), from a
+    partition and a sort of the k kept per row instead of a sort of all n (3 s of a
+    calibration's subsample of 21M sub-vectors)."""
+    kth = np.partition(u, k - 1, axis=1)[:, k - 1 : k]
+    out = np.empty((u.shape[0], k), dtype=np.int64)
+    for r in range(u.shape[0]):
+        below = np.flatnonzero(u[r] < kth[r])
+        ties = np.flatnonzero(u[r] == kth[r])[: k - below.size]
+        kept = np.sort(np.concatenate([below, ties]))
+        out[r] = kept[np.argsort(u[r, kept], kind="stable")]
+    return out
+
+
 def _init_sample(x: mx.array, k: int, key: mx.array) -> mx.array:
+    """k of each group's points, at random without replacement (in the order of their draws)."""
     g, n, _ = x.shape
-    order = mx.argsort(mx.random.uniform(shape=(g, n), key=key), axis=1)
-    return _gather_rows(x, order[:, :k])
+    u = mx.random.uniform(shape=(g, n), key=key)
+    if mx.default_device() == mx.cpu and 4 * k < n:
+        order = mx.array(_smallest_first(np.array(u), k))
+    else:
+        order = mx.argsort(u, axis=1)[:, :k]
+    return _gather_rows(x, order)
 
 
 def _init_kmeans_pp(x: mx.array, k: int, key: mx.array, progress: bool, desc: str) -> mx.array:
@@ -181,7 +211,7 @@ def _init_kmeans_pp(x: mx.array, k: int, key: mx.array, progress: bool, desc: st
         x = _init_sample(x, m, k_sub)
     first = mx.random.randint(0, m, shape=(g, 1), key=k_first)
     chosen = [_gather_rows(x, first)]
-    d2 = ((x - chosen[0]) ** 2).sum(axis=-1)
+    d2 = mx.square(x - chosen[0]).sum(axis=-1)
     step_keys = mx.random.split(k_steps, max(k - 1, 1))
     for i in tqdm(range(1, k), desc=f"{desc} init (k-means++)", disable=not progress, leave=False):
         # D² sampling; points already chosen have d2 = 0 and (log 0 → −inf) are never drawn
@@ -190,7 +220,7 @@ def _init_kmeans_pp(x: mx.array, k: int, key: mx.array, progress: bool, desc: st
         idx = mx.random.categorical(logits, axis=-1, key=step_keys[i - 1])[:, None]
         c = _gather_rows(x, idx)
         chosen.append(c)
-        d2 = mx.minimum(d2, ((x - c) ** 2).sum(axis=-1))
+        d2 = mx.minimum(d2, mx.square(x - c).sum(axis=-1))
         if i % 16 == 0:
             mx.eval(d2, chosen)
     return mx.concatenate(chosen, axis=1)
@@ -221,7 +251,7 @@ def _reseed_dead(
             worst = mx.argmax(es, axis=1)[:, None]
             p = _gather_rows(xs, worst)
             cs = mx.where((ds & (rs == step))[..., None], p, cs)
-            es = mx.where((ns > step)[:, None], mx.minimum(es, ((xs - p) ** 2).sum(-1)), es)
+            es = mx.where((ns > step)[:, None], mx.minimum(es, mx.square(xs - p).sum(-1)), es)
             if step % 32 == 31:
                 mx.eval(cs, es)
         c[sel], err[sel] = cs, es
@@ -273,14 +303,17 @@ def kmeans(
     for _ in tqdm(range(iters), desc=desc, disable=not progress, leave=False):
         codes, err = assign(x, c, chunk_elems=chunk_elems)
         history.append(float(err.mean().item()))
-        flat = (codes + group_offset).reshape(-1)
-        sums = (
-            cluster_sums(x, codes, k, chunk_elems)
-            if _on_gpu()
-            else (mx.zeros((g * k, d), dtype=mx.float32).at[flat].add(flat_x).reshape(g, k, d))
-        )
-        # integer-valued float sums are exact in any order, so a scatter-add is deterministic
-        counts = mx.zeros((g * k,), dtype=mx.float32).at[flat].add(1.0).reshape(g, k)
+        if _kernels_take(x):
+            sums, counts = cpu_kernels.cluster_sums(x, codes, k)
+        else:
+            flat = (codes + group_offset).reshape(-1)
+            sums = (
+                cluster_sums(x, codes, k, chunk_elems)
+                if _on_gpu()
+                else (mx.zeros((g * k, d), dtype=mx.float32).at[flat].add(flat_x).reshape(g, k, d))
+            )
+            # integer-valued float sums are exact in any order, so a scatter-add is deterministic
+            counts = mx.zeros((g * k,), dtype=mx.float32).at[flat].add(1.0).reshape(g, k)
         new_c = mx.where(counts[..., None] > 0, sums / mx.maximum(counts, 1.0)[..., None], c)
         dead = counts == 0
         n_dead = dead.sum(axis=1)

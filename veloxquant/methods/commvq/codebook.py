@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from veloxquant import cpu_kernels
+
 HALF_BITS = 6
 ATOMS = 1 << HALF_BITS  # 64 complex parameters per pair and stage
 CODE_BITS = 2 * HALF_BITS  # 12 bits per stage
@@ -252,14 +254,20 @@ def nearest_codewords(
     x_flat = x_pairs.reshape(g, n, 2 * p)
     proj = projection_matrix(theta)
     gamma, cross = norm_tables(theta)
+    # On an x86 CPU the extension finds the same code and score without the score block. The
+    # chunks stay: OpenBLAS's sums in the u/v GEMM depend on a row's place in its block of rows.
+    on_kernels = cpu_kernels.usable(x_flat, theta)
     rows = _chunk_rows(g, n, chunk_elems)
     codes, errs = [], []
     for s in range(0, n, rows):
         xs = x_flat[:, s : s + rows]
         u, v = score_terms(xs, proj, gamma)
-        d2 = partial_sq_distances(u, v, cross)
-        c = mx.argmin(d2, axis=-1)
-        best = mx.take_along_axis(d2, c[..., None], axis=-1)[..., 0]
+        if on_kernels:
+            c, best = cpu_kernels.nearest_pair_codeword(u, v, cross)
+        else:
+            d2 = partial_sq_distances(u, v, cross)
+            c = mx.argmin(d2, axis=-1)
+            best = mx.take_along_axis(d2, c[..., None], axis=-1)[..., 0]
         e = mx.maximum(best + (xs * xs).sum(axis=-1), 0.0)
         if rows < n:
             mx.eval(c, e)

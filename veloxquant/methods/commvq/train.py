@@ -221,9 +221,12 @@ def _hard_chunk(xs: mx.array, proj: mx.array, gamma: mx.array, cross: mx.array):
     statistics as dense one-hot GEMMs (deterministic on every device, no scatter-add)."""
     g = xs.shape[0]
     u, v = cb.score_terms(xs, proj, gamma)
-    d2 = cb.partial_sq_distances(u, v, cross)
-    codes = mx.argmin(d2, axis=-1)
-    best = mx.take_along_axis(d2, codes[..., None], axis=-1)[..., 0]
+    if cpu_kernels.usable(u, v, cross):  # the same codes and scores, no score block
+        codes, best = cpu_kernels.nearest_pair_codeword(u, v, cross)
+    else:
+        d2 = cb.partial_sq_distances(u, v, cross)
+        codes = mx.argmin(d2, axis=-1)
+        best = mx.take_along_axis(d2, codes[..., None], axis=-1)[..., 0]
     hard = mx.maximum(best + (xs * xs).sum(-1), 0.0).sum(axis=1)
     atoms = mx.arange(cb.ATOMS, dtype=mx.uint32)
     a, b = cb.split_codes(codes)
