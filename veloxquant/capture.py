@@ -206,7 +206,7 @@ def capture_activations(
     progress: bool = True,
     *,
     data_sha256: str | None = None,
-    lanes: int = 2,
+    lanes: int | None = None,
 ) -> dict:
     """Run `model` over `tokens` [N, S] sequence by sequence and write the capture dir.
 
@@ -214,11 +214,15 @@ def capture_activations(
     n = min(token_budget, N*S) tokens sampled up front, in preallocated float16 buffers.
     Returns the summary that is also written to capture.json. On the CPU, `lanes` sequences
     run side by side on that many streams (`veloxquant._platform.cpu_lanes`), with the same
-    bytes written.
+    bytes written. By default one with the CPU kernels built (they took over the single-threaded
+    work a second stream overlapped, and OpenBLAS spreads the GEMMs over the cores; one lane is
+    the faster there, benchmarks/results/pipeline-time-cpu.md), two without.
     """
     from tqdm import tqdm
 
     tokens = _check_inputs(model, tokens, token_budget)
+    if lanes is None:
+        lanes = 1 if cpu_kernels.available() else 2
     lanes = cpu_lanes(lanes)
     num_seqs, seq_len = tokens.shape
     out_dir = Path(out_dir)
