@@ -208,7 +208,7 @@ def test_quantized_matmul_has_mlx_bits_both_ways(bits, group_size):
     mx.random.seed(bits * 1000 + group_size)
     # a cache of 2 sequences x 3 KV heads, shared by 2 query heads each (broadcast), with query
     # and key counts that leave every tail of the kernel something to do
-    cached = mx.random.normal((2, 3, 1, 2 * group_size + 8 * 3, 128)) * 4
+    cached = mx.random.normal((2, 3, 1, 2 * group_size + 8 * 3 + 5, 128)) * 4
     w, scales, biases = mx.quantize(cached, group_size=group_size, bits=bits)
     queries = mx.random.normal((2, 3, 2, 37, 128))
     probs = mx.softmax(mx.random.normal((2, 3, 2, 37, cached.shape[-2])), axis=-1)
@@ -384,7 +384,7 @@ def test_nearest_pair_codeword_is_the_score_blocks_argmin(k):
     from veloxquant.methods.commvq.codebook import partial_sq_distances
 
     mx.random.seed(k)
-    u, v = mx.random.normal((2, 3, 500, k)) * 3
+    u, v = mx.random.normal((2, 3, 800, k)) * 3  # enough rows for two threads at k = 64
     cross = mx.random.normal((3, k, k))
     v = mx.concatenate([v[:, :, : k // 2], v[:, :, : k - k // 2]], axis=-1)  # exact ties
     cross = cross * 0 if k == 13 else cross

@@ -220,12 +220,15 @@ def test_the_assignment_kernel_has_the_gemm_paths_bits_on_real_keys(calib_dir, s
 
 
 @needs_kernels
-def test_the_assignment_kernel_fails_closed_where_it_would_not_match():
+def test_the_assignment_kernel_fails_closed_where_it_would_not_match(monkeypatch):
     from veloxquant import cpu_kernels
-    from veloxquant.kmeans import _kernels_take
+    from veloxquant.kmeans import _kernels_assign
 
     x = mx.random.normal((2, 100, 7))
-    assert not _kernels_take(x)  # d + 1 = 8: OpenBLAS sums in another order; the GEMM runs
+    assert not _kernels_assign(x, x)  # d + 1 = 8: OpenBLAS sums in another order; GEMM runs
+    assert _kernels_assign(x[..., :6], x[..., :6])
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "SkylakeX")  # other kernels: the GEMM runs
+    assert not _kernels_assign(x[..., :6], x[..., :6])
     with pytest.raises(ValueError, match="d <= 6"):
         cpu_kernels.nearest_centroid(x, x[:, :10])
     x = mx.random.normal((2, 100, 2))
@@ -258,7 +261,8 @@ def test_kmeans_on_the_kernels_is_kmeans_on_mlx_bit_for_bit(calib_dir, monkeypat
 
     x = _captured_keys(calib_dir, sub_dim)
     got = km.kmeans(x, 2**bits, iters=4, seed=0, progress=False)
-    monkeypatch.setattr(km, "_kernels_take", lambda x: False)
+    monkeypatch.setattr(km, "_kernels_assign", lambda x, c: False)
+    monkeypatch.setattr(km.cpu_kernels, "usable", lambda *a: False)
     want = km.kmeans(x, 2**bits, iters=4, seed=0, progress=False)
     np.testing.assert_array_equal(
         np.array(got.centroids).view(np.uint32), np.array(want.centroids).view(np.uint32)

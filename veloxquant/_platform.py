@@ -43,6 +43,13 @@ def pin_blas_kernels() -> None:
         os.environ["OPENBLAS_CORETYPE"] = BLAS_CORETYPE
 
 
+def blas_pinned() -> bool:
+    """Whether MLX's CPU GEMMs run OpenBLAS's pinned BLAS_CORETYPE kernels (preloaded here,
+    OPENBLAS_CORETYPE as pin_blas_kernels sets it): the sums veloxquant.cpu_kernels'
+    k-means assignment reproduces."""
+    return blas_library is not None and os.environ.get("OPENBLAS_CORETYPE") == BLAS_CORETYPE
+
+
 def preload_blas() -> str | None:
     """Load OpenBLAS globally on Linux; return the library loaded, or None."""
     global blas_library

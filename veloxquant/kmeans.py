@@ -17,9 +17,9 @@ D/sub_dim sub-vectors that share one codebook per group (VecInfer's layout) and 
   are scatter-adds on the CPU, and one-hot GEMMs on a GPU (a GPU scatter-add uses atomics, so
   its float sums depend on thread order). Same inputs + seed give bit-identical centroids on
   one device; the CPU's and a GPU's differ in rounding.
-- On an x86 CPU with `veloxquant.cpu_kernels` built, the assignment (d <= 6) and the cluster
-  sums run there: the same scores summed in the same order, the same codes, sums and centroids
-  bit for bit, without the score block (tests compare both paths).
+- On an x86 CPU with `veloxquant.cpu_kernels` built, the cluster sums run there, and the
+  assignment too (d <= 6, OpenBLAS's pinned kernels): the same scores summed in the same order,
+  the same codes, sums and centroids bit for bit, without the score block (tests compare both).
 - Score blocks of `chunk_elems` (2M floats, 8 MB by default) stay in the CPU's caches between
   the distance GEMM and the argmin; larger blocks made assignment 2.7x slower (memory-bound).
 """
@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm.auto import tqdm
 
-from veloxquant import cpu_kernels
+from veloxquant import _platform, cpu_kernels
 
 # k-means++ is used up to this many centroids with init="auto" (its K sequential D²-sampling
 # passes dominate beyond it; d8b12's 4096 centroids use sampled init instead).
@@ -132,8 +132,8 @@ def assign(
     """`nearest` over all of x [G, N, d], chunked over N so at most ~chunk_elems scores exist
     at once, each chunk evaluated before the next is built."""
     g, n, d = x.shape
-    if _kernels_take(x):
-        return cpu_kernels.nearest_centroid(x, c.astype(mx.float32))
+    if _kernels_assign(x, c):
+        return cpu_kernels.nearest_centroid(x, c)
     c_aug = augment_codebook(c)
     rows = _chunk_rows(g, c.shape[1], n, chunk_elems)
     # numpy's argmin on the CPU for float32 (kmeans' dtype; numpy has no bfloat16)
@@ -154,8 +154,14 @@ def _on_gpu() -> bool:
     return mx.default_device() == mx.gpu
 
 
-def _kernels_take(x: mx.array) -> bool:
-    return x.shape[-1] <= cpu_kernels.NEAREST_MAX_DIM and cpu_kernels.usable(x)
+def _kernels_assign(x: mx.array, c: mx.array) -> bool:
+    # The extension reproduces the scores of OpenBLAS's pinned kernels only; with any other
+    # BLAS the GEMM runs, so that the codes never depend on whether the extension is built.
+    return (
+        x.shape[-1] <= cpu_kernels.NEAREST_MAX_DIM
+        and cpu_kernels.usable(x, c)
+        and _platform.blas_pinned()
+    )
 
 
 def cluster_sums(x: mx.array, codes: mx.array, k: int, chunk_elems: int = CHUNK_ELEMS) -> mx.array:
@@ -303,7 +309,7 @@ def kmeans(
     for _ in tqdm(range(iters), desc=desc, disable=not progress, leave=False):
         codes, err = assign(x, c, chunk_elems=chunk_elems)
         history.append(float(err.mean().item()))
-        if _kernels_take(x):
+        if cpu_kernels.usable(x):
             sums, counts = cpu_kernels.cluster_sums(x, codes, k)
         else:
             flat = (codes + group_offset).reshape(-1)
