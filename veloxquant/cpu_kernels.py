@@ -300,6 +300,11 @@ def logsumexp(x: mx.array) -> mx.array:
     return mx.logsumexp(x, axis=-1, keepdims=True)
 
 
+def log_softmax(x: mx.array) -> mx.array:
+    """`x - mx.logsumexp(x, axis=-1, keepdims=True)`, the same bits (and gradients' bits)."""
+    return x - logsumexp(x)
+
+
 def _mlx_swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return mlx_lm_swiglu(gate, up)
 

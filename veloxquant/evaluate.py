@@ -98,11 +98,6 @@ def _segments(seq_len: int, prefill: int, chunk: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _log_softmax(logits: mx.array) -> mx.array:
-    logits = logits.astype(mx.float32)
-    return logits - cpu_kernels.logsumexp(logits)  # mx.logsumexp(..., -1, keepdims=True)
-
-
 def _nbytes(caches: list) -> int:
     return int(sum(c.nbytes for c in caches))
 
@@ -270,7 +265,9 @@ def evaluate_rows(
             after_prefill = start >= prefill
             x = tokens[:, start:end]
             tgt = targets[:, start : start + n_pred]
-            ref_logp = _log_softmax(model(x, cache=ref_caches)[:, :n_pred])  # [W, n, V]
+            ref_logp = cpu_kernels.log_softmax(
+                model(x, cache=ref_caches)[:, :n_pred].astype(mx.float32)
+            )  # [W, n, V]
             ref_top = mx.argmax(ref_logp, axis=-1)
             ref_p = mx.exp(ref_logp)
             ref_nll = -mx.take_along_axis(ref_logp, tgt[..., None], axis=-1).sum()
@@ -297,7 +294,9 @@ def evaluate_rows(
                 # Each unit keeps its lane, so a cache's state stays on one stream.
                 with mx.stream(lanes[u % len(lanes)]):
                     xb = mx.concatenate([x] * len(members), axis=0)
-                    logp = _log_softmax(model(xb, cache=caches)[:, :n_pred])
+                    logp = cpu_kernels.log_softmax(
+                        model(xb, cache=caches)[:, :n_pred].astype(mx.float32)
+                    )
                     logp = logp.reshape(len(members), n_windows, *logp.shape[1:])
                     nll = -mx.take_along_axis(logp, tgt[None, ..., None], axis=-1)
                     nll = nll.sum(axis=(1, 2, 3))

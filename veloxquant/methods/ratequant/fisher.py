@@ -144,7 +144,7 @@ def window_logp(
     out = []
     for start in range(0, inputs.shape[1], step):
         logits = model(inputs[:, start : start + step], cache=caches)[0].astype(mx.float32)
-        out.append(logits - cpu_kernels.logsumexp(logits))  # mx.logsumexp, vectorized
+        out.append(cpu_kernels.log_softmax(logits))
     return out, caches
 
 
