@@ -263,18 +263,22 @@ def calibrate(
     # average when there is more than one, whether or not the validation runs.
     pool = windows.shape[0] - 1 if windows.shape[0] > 1 else windows.shape[0]
     picks = _evenly_spaced(pool, hp["fisher_windows"])
+
+    def importance(tokens: np.ndarray, **options: Any):
+        return fisher.fisher_importance(
+            model,
+            tokens,
+            chunk=hp["fisher_chunk"],
+            range_weighted=hp["range_weighted"],
+            time_forward=False,
+            **layout,
+            **options,
+        )
+
     # The forward and gradient passes' softmax and swiglu run vectorized (veloxquant.cpu_kernels:
     # MLX's bits, and its gradients').
     with cpu_kernels.vectorized():
-        w, w_sq, timing = fisher.fisher_importance(
-            model,
-            windows[picks],
-            chunk=hp["fisher_chunk"],
-            range_weighted=hp["range_weighted"],
-            progress=progress,
-            time_forward=False,
-            **layout,
-        )
+        w, w_sq, timing = importance(windows[picks], progress=progress)
         proxy = fisher.proxy_importance(load_stats(inputs.activations_dir))
 
         validation: dict[str, Any] = {"units": 0}
@@ -282,14 +286,7 @@ def calibrate(
             t0 = time.perf_counter()
             val_tokens = windows[-1, : hp["validate_tokens"]]
             units = fisher.stratified_units(w, n_val)
-            w_same, _, _ = fisher.fisher_importance(
-                model,
-                val_tokens[None],
-                chunk=hp["fisher_chunk"],
-                range_weighted=hp["range_weighted"],
-                time_forward=False,
-                **layout,
-            )
+            w_same, _, _ = importance(val_tokens[None])
             noise = fisher.noise_validation(
                 model,
                 val_tokens,
