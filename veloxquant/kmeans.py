@@ -131,7 +131,7 @@ def assign(
 ) -> tuple[mx.array, mx.array]:
     """`nearest` over all of x [G, N, d], chunked over N so at most ~chunk_elems scores exist
     at once, each chunk evaluated before the next is built."""
-    g, n, d = x.shape
+    g, n, _ = x.shape
     if _kernels_assign(x, c):
         return cpu_kernels.nearest_centroid(x, c)
     c_aug = augment_codebook(c)
