@@ -135,7 +135,7 @@ def print_decode(result: dict, baseline: str = "fp16") -> None:
 
 def decode_arguments(doc: str, contexts: list[int], repeats: int) -> argparse.ArgumentParser:
     """The arguments every decode-throughput benchmark takes (this one and
-    bench_encode_in_combine.py): a random-weight model, its dtype, contexts, tokens, repeats."""
+    bench_in_place.py): a random-weight model, its dtype, contexts, tokens, repeats."""
     p = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -15,6 +15,8 @@ import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
 from veloxquant import KVCacheConfig, make_cache
+from veloxquant.codes import unpack_codes
+from veloxquant.methods.vecinfer import kernels as K
 from _common import random_weights_model
 
 
@@ -24,7 +26,13 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt", type=int, nargs="+", default=[8, 40])
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument(
+        "--slice-updates",
+        action="store_true",
+        help="update the fused caches by MLX operations instead of in place (WRITE_IN_PLACE off)",
+    )
     args = p.parse_args()
+    K.WRITE_IN_PLACE = not args.slice_updates
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
     config = KVCacheConfig(method="vecinfer", uncalibrated=True)
     worst = 0.0
@@ -47,6 +55,23 @@ def main() -> None:
             f"prompt {n}: {args.steps} steps, fused path {paths}, same argmax {same}/"
             f"{args.steps}, max |logit diff| {max(diffs):.4g} (max |logit| {scale:.3g}), "
             f"first steps {[round(d, 3) for d in diffs[:4]]}, last {round(diffs[-1], 3)}"
+        )
+        # what the caches hold afterwards (the fused path wrote codes and window in place):
+        # the same tokens coded, codes equal but for float32 near-ties, the same window
+        agree, win = [], 0.0
+        for r, f in zip(ref, fused, strict=True):
+            assert r.compressed_tokens == f.compressed_tokens and r.offset == f.offset
+            for side in ("key", "value"):
+                bits, sub = getattr(r, f"{side}_bits"), getattr(r, f"{side}_sub_dim")
+                m = r.smooth.shape[-1] // sub
+                a, b = (unpack_codes(getattr(c, f"{side}_codes"), bits, m) for c in (r, f))
+                agree.append(float(mx.mean(a == b).item()))
+            for side in ("window_keys", "window_values"):
+                d = getattr(r, side).astype(mx.float32) - getattr(f, side).astype(mx.float32)
+                win = max(win, float(mx.abs(d).max()))
+        print(
+            f"  caches: {fused[0].compressed_tokens} coded tokens per layer, codes agree "
+            f"{min(agree):.4f} (worst layer and side), max |window diff| {win:.3g}"
         )
         worst = max(worst, max(diffs) / max(scale, 1e-6))
     print(f"worst relative logit difference {worst:.3g}")

@@ -186,14 +186,17 @@ def _pending_after_one_token(caches: list, layer: int, seed: int, steps: int = 0
 
 
 def _emulated_attention(backend: str, cache, q, pending, r: int):
-    """(output [1, H_q, 1, D], the leaving token's (key, value) codes or None), as
-    `K.launch_attention` computes them, with the kernels run by the emulator."""
+    """(output [1, H_q, 1, D], the leaving token's (key, value) codes or None, the window ring
+    (keys, values) after the launch), as `K.launch_attention` computes them, with the kernels
+    run by the emulator. In place (K.WRITE_IN_PLACE), the codes are read back from the code
+    buffers the launch wrote, at row pending["n_coded"]; every other row must be unchanged."""
     a = K.attention_inputs(cache, q, 1 / math.sqrt(q.shape[-1]), pending, r=r)
     lay = a["layout"]
     partial, second = a["sources"]  # what launch_attention launches
     fresh = K.attention_kernel_sources(lay, mx.float32, r)
     if a["encode"]:
-        fresh = (fresh[0], K.combine_encode_kernel_source(lay, mx.float32))
+        win_dtype = pending["win"][0].dtype if a["in_place"] else None
+        fresh = (fresh[0], K.combine_encode_kernel_source(lay, mx.float32, win_dtype))
     assert (partial.kernel_name, second.kernel_name) == tuple(k.kernel_name for k in fresh)
     n_q, d = q.shape[1], q.shape[3]
     ns = a["n_splits"] + 1
@@ -204,8 +207,21 @@ def _emulated_attention(backend: str, cache, q, pending, r: int):
     extra = [np.array(x) for x in a["combine_extra"]]
     if not a["encode"]:
         (out,) = emu.run(second, backend, parts + extra, (n_q, 1, 1), [(n_q * d,)], ["float32"])
-        return out.reshape(1, n_q, 1, d), None
+        return out.reshape(1, n_q, 1, d), None, None
     h = lay.n_kv_heads
+    ring = extra[3:5]  # the combine's k_in / v_in
+    if a["in_place"]:
+        kbuf, vbuf = extra[-4:-2]
+        before = [x.copy() for x in (kbuf, vbuf)]
+        (out,) = emu.run(second, backend, parts + extra, (n_q + h, 1, 1), [(n_q * d,)], ["float32"])
+        row = pending["n_coded"]
+        for buf, old in zip((kbuf, vbuf), before, strict=True):
+            np.testing.assert_array_equal(np.delete(buf, row, axis=2), np.delete(old, row, axis=2))
+        return (
+            out.reshape(1, n_q, 1, d),
+            (kbuf[:, :, row : row + 1], vbuf[:, :, row : row + 1]),
+            ring,
+        )
     out, kc, vc = emu.run(
         second,
         backend,
@@ -214,7 +230,7 @@ def _emulated_attention(backend: str, cache, q, pending, r: int):
         [(n_q * d,), (1, h, 1, lay.key_bytes), (1, h, 1, lay.value_bytes)],
         ["float32", "uint8", "uint8"],
     )
-    return out.reshape(1, n_q, 1, d), (kc, vc)
+    return out.reshape(1, n_q, 1, d), (kc, vc), ring
 
 
 def _code_agreement(got: np.ndarray, want: mx.array, bits: int, n_sub: int) -> float:
@@ -223,15 +239,17 @@ def _code_agreement(got: np.ndarray, want: mx.array, bits: int, n_sub: int) -> f
 
 
 @needs_cxx
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_emulated_decode_kernels_match_the_twin(
-    backend, name, smollm2, bundle, prompt, monkeypatch
+    backend, name, in_place, smollm2, bundle, prompt, monkeypatch
 ):
     model, _ = smollm2
     caches = _caches(model, _config(name, bundle), True, monkeypatch)
     _prefill(model, caches, prompt)
     monkeypatch.setattr(K, "MIN_SPLIT", 128)  # several splits from a short context
+    monkeypatch.setattr(K, "WRITE_IN_PLACE", in_place)
     for layer, r, steps in ((0, 1, 3), (7, 4, 5)):
         # decode steps first, so the ring has turned: the token leaving the window is not in
         # slot 0 (the slot and the position are checked against the cache's own counters)
@@ -244,24 +262,38 @@ def test_emulated_decode_kernels_match_the_twin(
         assert lay.unsupported() is None
         assert K.attention_inputs(c, q, 1.0, pending, r=r)["n_splits"] >= 2
         ref = np.array(K.reference_attention(c, q, 1 / math.sqrt(q.shape[-1]), None, pending))
-        out, codes = _emulated_attention(backend, c, q, pending, r)
+        slot, pos = pending["encode"]
+        wk, wv = (np.array(x) for x in pending["win"])
+        c._reserve_codes(1)  # as fused_attention does before an in-place launch
+        out, codes, ring = _emulated_attention(backend, c, q, pending, r)
         assert np.isfinite(out).all()
         np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
         # the window was full: the same launch encoded the token leaving it (ring slot, at its
         # absolute position) as the cache's encoder does
-        slot, pos = pending["encode"]
-        wk, wv = (x[:, :, slot : slot + 1].astype(mx.float32) for x in pending["win"])
+        old_k, old_v = (mx.array(x[:, :, slot : slot + 1]).astype(mx.float32) for x in (wk, wv))
         d = lay.head_dim
         kc, vc = codes
         # float32 sums in another order may flip a near-tie code (one of ~100 here); a wrong
         # token or position agrees on a few percent
         assert (
-            _code_agreement(kc, c.encode_keys(wk, pos), lay.key_bits, d // lay.key_sub_dim) > 0.97
+            _code_agreement(kc, c.encode_keys(old_k, pos), lay.key_bits, d // lay.key_sub_dim)
+            > 0.97
         )
-        want_v = c.encode_values(wv)
+        want_v = c.encode_values(old_v)
         assert _code_agreement(vc, want_v, lay.value_bits, d // lay.value_sub_dim) > 0.97
-        # without a token to encode, the plain combine
-        out2, none = _emulated_attention(backend, c, q, {**pending, "encode": None}, r)
+        if in_place:  # and wrote the new token over its ring slot, nothing else
+            for got, old, new in zip(ring, (wk, wv), pending["new"], strict=True):
+                np.testing.assert_array_equal(
+                    got[:, :, slot], np.array(new.astype(mx.float32)).astype(got.dtype)[:, :, 0]
+                )
+                np.testing.assert_array_equal(np.delete(got, slot, 2), np.delete(old, slot, 2))
+        else:
+            for got, old in zip(ring, (wk, wv), strict=True):
+                np.testing.assert_array_equal(got, old)
+        # without a token to encode, the plain combine (the attention does not read the slot's
+        # new contents: the ring as it was before this launch)
+        plain = {**pending, "encode": None, "win": tuple(mx.array(x) for x in (wk, wv))}
+        out2, none, _ = _emulated_attention(backend, c, q, plain, r)
         assert none is None
         np.testing.assert_array_equal(out2, out)
 
@@ -297,6 +329,58 @@ def test_emulated_encode_kernel_matches_the_cache_encoder(
     ):
         # float32 sums in another order may flip an exact near-tie, nothing more
         assert _code_agreement(got, want, bits, d // sub) >= 0.998
+
+
+def _emulated_launch(source, inputs, grid, output_shapes, output_dtypes):
+    """`veloxquant.kernels.launch` with the emulator for the GPU: the kernel gets numpy views
+    of the MLX arrays' own memory, so its in-place writes land in the cache's buffers as a
+    GPU's do (and, as with MLX's copy of a non-contiguous input, are lost on a strided one)."""
+    mx.eval(inputs)
+    arrays = [np.array(x, copy=False) for x in inputs]
+    names = [str(dt).rsplit(".", 1)[-1] for dt in output_dtypes]
+    outs = emu.run(source, "cuda", arrays, grid, [tuple(s) for s in output_shapes], names)
+    return [mx.array(o) for o in outs]
+
+
+@needs_cxx
+def test_cache_kernel_path_writes_the_cache_in_place(smollm2, bundle, prompt, monkeypatch):
+    # The cache's own decode path with the kernels (launches emulated, writing into the
+    # cache's buffers in place as on a GPU) against a copy of the cache on the twin, step for
+    # step: the ring turns, the code buffers grow (CODE_STEP 8 here), and every output, the
+    # coded count, the codes and the window stay the twin's.
+    import veloxquant.kernels as vk
+
+    model, _ = smollm2
+    monkeypatch.setattr(VecInferCache, "CODE_STEP", 8)
+    caches = _caches(model, _config("calibrated", bundle), True, monkeypatch)
+    _prefill(model, caches, prompt[:, :120])
+    kern = caches[5]
+    twin = copy.copy(kern)  # buffers of its own
+    h, d = kern.smooth.shape
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        k, v = (mx.array(rng.normal(size=(1, h, 1, d)).astype(np.float32)) for _ in range(2))
+        q = mx.array(rng.normal(size=(1, 3 * h, 1, d)).astype(np.float32) * 2)
+        twin.update_and_fetch(k, v)
+        want = np.array(twin.fused_attention(q, scale=0.125))
+        assert twin.last_attention == "reference"
+        with monkeypatch.context() as m:
+            m.setattr(vk, "backend", lambda: "cuda")
+            m.setattr(vk, "launch", _emulated_launch)
+            kern.update_and_fetch(k, v)
+            got = np.array(kern.fused_attention(q, scale=0.125))
+            assert kern.last_attention == "kernel" and kern._last_write is not None
+        np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()), rtol=0)
+    assert kern.compressed_tokens == twin.compressed_tokens == 120 - 4 - 26 + 20
+    assert kern._kbuf.shape[2] == 112  # grown in 8-token steps, twice on the way
+    for side in ("window_keys", "window_values"):
+        assert mx.array_equal(getattr(kern, side), getattr(twin, side)).item()
+    assert kern._last_write is None  # reading the window waited for the last write
+    lay = K.layout_of(kern, 3 * h)
+    agree = _code_agreement(np.array(kern.key_codes), twin.key_codes, lay.key_bits, d // 2)
+    assert agree > 0.97
+    agree = _code_agreement(np.array(kern.value_codes), twin.value_codes, lay.value_bits, d // 4)
+    assert agree > 0.97
 
 
 def _layout(**kw) -> K.Layout:
@@ -351,12 +435,18 @@ def test_generated_metal_sources_are_well_formed(name, smollm2, bundle, monkeypa
     lay = K.layout_of(c, 3 * c.smooth.shape[0])
     partial, combine = K.attention_kernel_sources(lay, mx.float16)
     f32, i32, u8, f16 = "float32", "int32", "uint8", "float16"
-    partial_in = [f32, i32, f32, u8, u8, f16, f16, f16, f16, f32, f32] + [f16] * 6
+    partial_in = [f32, i32, f32, u8, u8, f16, f16, f16, f16, f32, f32] + [f16] * 7
     assert check_metal_source(partial, partial_in, [f32] * 3) == []
     assert check_metal_source(combine, [f32, f32, f32, i32, f16, f16], [f16]) == []
     both = K.combine_encode_kernel_source(lay, mx.float16)
     both_in = [f32, f32, f32, i32, f16, f16] + [f16, f16, f32, f16, f16, f32, f16, f16]
     assert check_metal_source(both, both_in, [f16, u8, u8]) == []
+    # in place: the code buffers and the new token are inputs the kernel writes through
+    in_place = K.combine_encode_kernel_source(lay, mx.float16, mx.float16)
+    assert check_metal_source(in_place, both_in + [u8, u8, f16, f16], [f16]) == []
+    body = in_place.metal_body()
+    for target in ("uint8_t*>(key_codes)", "uint8_t*>(value_codes)", "WIN_T*>(k_in)"):
+        assert f"const_cast<VQ_GLOBAL {target}" in body
     enc_in = [f16, f16, i32, f32, f16, f16, f32, f16, f16, f16, f16]
     assert check_metal_source(K.encode_kernel_source(lay), enc_in, [u8, u8]) == []
     broken = dataclasses.replace(partial, body=partial.body + "\n{")

@@ -345,10 +345,10 @@ def test_window_keeps_a_16bit_model_dtype_and_halves_float32(fused):
         cache = random_cache()
         cache.fused = fused
         y = x.astype(dtype)
-        cache.update_and_fetch(y[:, :, :39], y[:, :, :39])
-        cache._pending = None  # no attention call in between (the fused path asks for one)
-        cache.update_and_fetch(y[:, :, 39:], y[:, :, 39:])  # a decode step: the ring turns
-        cache._pending = None
+        for chunk in (y[:, :, :39], y[:, :, 39:]):  # then a decode step: the ring turns
+            cache.update_and_fetch(chunk, chunk)
+            if fused:  # the fused path finishes an update with its attention
+                cache.fused_attention(chunk, scale=0.125)
         assert cache.window_keys.dtype == kept and cache.window_values.dtype == kept
         # the newest tokens, exactly as the model produced them (rounded once when float32)
         want = y[:, :, -cache.window :].astype(kept)

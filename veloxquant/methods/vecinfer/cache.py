@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
 from veloxquant import attention
-from veloxquant.codes import pq_decode, pq_encode
+from veloxquant.codes import code_bytes, pq_decode, pq_encode
 from veloxquant.kmeans import check_finite
 from veloxquant.methods.base import (
     Artifact,
@@ -135,12 +135,16 @@ class VecInferCache(CompressedCache):
         # Fused attention (veloxquant.attention): off until the model's attention is routed.
         self.fused = False
         self._pending: dict | None = None
+        self._last_write: mx.array | None = None
         self.last_attention: str | None = None
 
     # -- storage. Codes live in buffers that grow in CODE_STEP-token steps, so the fused path
-    # appends a token with a slice update instead of copying the past; `key_codes` /
-    # `value_codes` are the filled part. The fused path keeps the full window as a ring (the
-    # new token takes the leaving token's slot); `window_keys` / `window_values` are in order.
+    # appends a token without copying the past; `key_codes` / `value_codes` are the filled
+    # part. The fused path keeps the full window as a ring (the new token takes the leaving
+    # token's slot); `window_keys` / `window_values` are in order. On a GPU a decode step's
+    # kernels write both in place (kernels.WRITE_IN_PLACE), which MLX does not track: every
+    # read of the buffers outside those kernels goes through `_sync` first, and copies of the
+    # cache get copies of the buffers.
 
     CODE_STEP = 256
 
@@ -161,7 +165,17 @@ class VecInferCache(CompressedCache):
     def value_codes(self, v: mx.array | None) -> None:
         self._vbuf = v
 
+    def _sync(self) -> None:
+        """Wait for the latest in-place write into the buffers (a decode step's kernels), so
+        that reading them with MLX operations sees it: MLX knows nothing of that write and
+        would otherwise order such a read only by the stream, or not at all within one
+        evaluation."""
+        if self._last_write is not None:
+            mx.eval(self._last_write)
+            self._last_write = None
+
     def _filled(self, buf: mx.array | None) -> mx.array | None:
+        self._sync()
         if buf is None or buf.shape[2] == self._n_coded:
             return buf
         return buf[:, :, : self._n_coded]
@@ -172,7 +186,7 @@ class VecInferCache(CompressedCache):
 
     @window_keys.setter
     def window_keys(self, v: mx.array | None) -> None:
-        self._wk, self._ring = v, 0
+        self._wk, self._ring = (None if v is None else mx.contiguous(v)), 0
 
     @property
     def window_values(self) -> mx.array | None:
@@ -180,9 +194,10 @@ class VecInferCache(CompressedCache):
 
     @window_values.setter
     def window_values(self, v: mx.array | None) -> None:
-        self._wv = v
+        self._wv = None if v is None else mx.contiguous(v)
 
     def _in_order(self, ring: mx.array | None) -> mx.array | None:
+        self._sync()
         if ring is None or self._ring == 0:
             return ring
         return mx.concatenate([ring[:, :, self._ring :], ring[:, :, : self._ring]], axis=2)
@@ -279,14 +294,21 @@ class VecInferCache(CompressedCache):
         return out_k.astype(dtype), out_v.astype(dtype)
 
     def __copy__(self) -> VecInferCache:
-        # The fused path appends codes and writes the window ring with slice assignment, which
-        # rebinds the array object it is called on: a shallow copy (BatchedCache.merge, mlx-lm's
-        # prompt cache) gets its own objects so that neither copy's writes reach the other.
+        # The fused path writes the code buffers and the window ring in place (and, off the
+        # kernels, rebinds them with slice assignment): a shallow copy (BatchedCache.merge,
+        # mlx-lm's prompt cache) gets buffers of its own, so that neither copy's writes reach
+        # the other.
+        self._sync()
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        for name in ("_kbuf", "_vbuf", "_wk", "_wv"):
-            if getattr(self, name) is not None:
-                setattr(new, name, copy.copy(getattr(self, name)))
+        new._kernel_memo = {}
+        buffers = [
+            name for name in ("_kbuf", "_vbuf", "_wk", "_wv") if getattr(self, name) is not None
+        ]
+        for name in buffers:
+            setattr(new, name, mx.array(getattr(self, name)))
+        # copied now: a lazy copy would read the buffers after later in-place writes
+        mx.eval([getattr(new, name) for name in buffers])
         return new
 
     def size(self) -> int:
@@ -336,6 +358,7 @@ class VecInferCache(CompressedCache):
             # the cache still holds every token it has seen when the caller switches paths
             pending, self._pending = self._pending, None
             self._encode_leaving(pending)
+            self._write_ring(pending)
             raise RuntimeError(
                 "VecInferCache: a fused update was never followed by its attention, so the "
                 "model's attention is not routed through veloxquant.attention (it calls "
@@ -364,18 +387,45 @@ class VecInferCache(CompressedCache):
         v = v_src[:, :, first : first + n].astype(mx.float32)
         return self.encode_keys(k, pos), self.encode_values(v)
 
+    def _reserve_codes(self, n: int, batch: int = 1) -> None:
+        """Room in the code buffers for n more tokens (grown by CODE_STEP-token steps)."""
+        n0 = self._n_coded
+        if self._kbuf is not None and n0 + n <= self._kbuf.shape[2]:
+            return
+        self._sync()
+        cap = -(-(n0 + n) // self.CODE_STEP) * self.CODE_STEP
+        h, d = self.smooth.shape
+        batch = batch if self._kbuf is None else self._kbuf.shape[0]
+        grown = []
+        for buf, bits, sub in (
+            (self._kbuf, self.key_bits, self.key_sub_dim),
+            (self._vbuf, self.value_bits, self.value_sub_dim),
+        ):
+            pad = mx.zeros((batch, h, cap - n0, code_bytes(bits, d // sub)), mx.uint8)
+            grown.append(pad if buf is None else mx.concatenate([buf[:, :, :n0], pad], 2))
+        self._kbuf, self._vbuf = grown
+
     def _append_codes(self, kc: mx.array, vc: mx.array) -> None:
         n0, n = self._n_coded, kc.shape[2]
-        if self._kbuf is None or n0 + n > self._kbuf.shape[2]:
-            cap = -(-(n0 + n) // self.CODE_STEP) * self.CODE_STEP
-            grown = []
-            for buf, new in ((self._kbuf, kc), (self._vbuf, vc)):
-                pad = mx.zeros((*new.shape[:2], cap - n0, new.shape[3]), mx.uint8)
-                grown.append(pad if buf is None else mx.concatenate([buf[:, :, :n0], pad], 2))
-            self._kbuf, self._vbuf = grown
+        self._reserve_codes(n, kc.shape[0])
         self._kbuf[:, :, n0 : n0 + n] = kc
         self._vbuf[:, :, n0 : n0 + n] = vc
         self._n_coded = n0 + n
+
+    def _write_ring(self, pending: dict) -> None:
+        """The new token of a decode step over the ring slot of the token leaving the window,
+        by slice assignment (what the kernels do in place). The pending attention keeps the
+        ring as it was: setitem rebinds the array object it is called on, so it writes
+        copies of the objects."""
+        slot = pending.get("ring")
+        if slot is None:
+            return
+        wdt = self._wk.dtype
+        new_k, new_v = pending["new"]
+        ring_k, ring_v = copy.copy(self._wk), copy.copy(self._wv)
+        ring_k[:, :, slot : slot + 1] = new_k.astype(wdt)
+        ring_v[:, :, slot : slot + 1] = new_v.astype(wdt)
+        self._wk, self._wv = ring_k, ring_v
 
     def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._check_no_pending()
@@ -386,25 +436,22 @@ class VecInferCache(CompressedCache):
         n_new, n_before, w = new_k.shape[2], self._n_coded, self.window
         n_win = 0 if self._wk is None else self._wk.shape[2]
         if n_new == 1 and w > 0 and n_win == w:
-            # Decode once the window is full: the oldest token (ring slot `_ring`) leaves and
-            # is encoded; this call's attention still sees it exact, as the transient path.
-            # The encode happens in fused_attention: on a GPU, in the attention's own launch.
+            # Decode once the window is full: the oldest token (ring slot `_ring`) leaves, is
+            # encoded, and the new token takes its slot; this call's attention still sees it
+            # exact, as the transient path. The encode and the ring write happen with the
+            # attention (fused_attention): on a GPU, inside its own launch.
             slot = self._ring
             self._pending = {
                 "n_coded": n_before,
                 "win": (self._wk, self._wv),
                 "encode": (slot, self.sinks + n_before),
+                "ring": slot,
             }
-            # copies of the array objects: setitem rebinds the object, and the pending
-            # attention must read the window as it was
-            ring_k, ring_v = copy.copy(self._wk), copy.copy(self._wv)
-            ring_k[:, :, slot : slot + 1] = new_k.astype(wdt)
-            ring_v[:, :, slot : slot + 1] = new_v.astype(wdt)
-            self._wk, self._wv = ring_k, ring_v
             self._ring = (slot + 1) % w
         elif n_new:
             # Anything else (prefill chunks, the window filling up): window + new tokens in
             # order; what falls out of the window is encoded.
+            self._sync()
             self._normalize_window()
             recent_k, recent_v = new_k.astype(mx.float32), new_v.astype(mx.float32)
             if self._wk is not None:
@@ -417,8 +464,11 @@ class VecInferCache(CompressedCache):
             self._pending = {"n_coded": n_before, "win": None}
             new_k, new_v = recent_k, recent_v
             keep = max(n_old, 0)
-            self._wk = recent_k[:, :, keep:].astype(wdt)
-            self._wv = recent_v[:, :, keep:].astype(wdt)
+            # row-contiguous buffers of the ring's own (a strided view, e.g. of the model's
+            # transposed values, would reach the kernels as MLX's contiguous copy, and their
+            # in-place writes would be lost)
+            self._wk = mx.contiguous(recent_k[:, :, keep:].astype(wdt))
+            self._wv = mx.contiguous(recent_v[:, :, keep:].astype(wdt))
         else:
             self._pending = {"n_coded": n_before, "win": None}
             new_k, new_v = keys[:, :, :0], values[:, :, :0]
@@ -441,17 +491,27 @@ class VecInferCache(CompressedCache):
         b, n_q, n, _ = queries.shape
         if b == 1 and n == 1 and mask is None and kernels.kernels_take(self, n_q):
             self.last_attention = "kernel"
-            if not kernels.ENCODE_IN_COMBINE:
-                pending = self._encode_leaving(pending)
+            in_place = pending.get("encode") is not None and kernels.WRITE_IN_PLACE
+            if in_place:
+                self._reserve_codes(1)
+            else:
+                self._write_ring(pending)
             try:
                 out, codes = kernels.decode_attention(self, queries, scale, pending)
             except BaseException:
+                if in_place:
+                    self._write_ring(pending)
                 self._encode_leaving(pending)  # keep the cache whole, then fail
                 raise
-            if codes is not None:
+            if in_place:  # the launch wrote the codes and the ring
+                self._n_coded += 1
+                self._last_write = out
+            elif codes is not None:
                 self._append_codes(*codes)
             return out
         self.last_attention = "reference"
+        self._sync()
+        self._write_ring(pending)
         pending = self._encode_leaving(pending)
         return kernels.reference_attention(self, queries, scale, mask, pending)
 
@@ -489,11 +549,17 @@ class VecInferCache(CompressedCache):
 
     @property
     def state(self) -> dict:
-        return pack_state({name: getattr(self, name) for name in self._ARRAYS}, self.meta_state)
+        arrays = {name: getattr(self, name) for name in self._ARRAYS}
+        for name in ("window_keys", "window_values"):  # the ring is written in place later
+            if arrays[name] is not None:
+                arrays[name] = mx.array(arrays[name])
+                mx.eval(arrays[name])  # so copied now, not when the caller evaluates it
+        return pack_state(arrays, self.meta_state)
 
     @state.setter
     def state(self, v: dict) -> None:
         arrays, meta = unpack_state(type(self).__name__, v)
+        self._last_write = None  # from_state skips __init__
         for name in self._ARRAYS:
             setattr(self, name, arrays[name])
         # a loaded cache attends the way a fresh one would in this process

@@ -30,7 +30,11 @@ Decode attention (`attention_kernel_sources`, flash-decoding in two launches):
    Hadamard, λ_v and μ_v once, adds the exact part and writes the output in the model dtype.
    In a decode step whose window is full, the same launch also encodes the token leaving the
    window (`combine_encode_kernel_source`: one more threadgroup per KV head running the
-   encoder's code), which saves a launch per layer (ENCODE_IN_COMBINE).
+   encoder's code) and, by default (WRITE_IN_PLACE), writes its codes into the cache's code
+   buffers and the step's new token over its ring slot: a decode step of a layer is these two
+   launches and no other operation. MLX arrays are immutable to MLX itself, so the cache
+   keeps those buffers to itself (copies, never views, leave it) and orders every other read
+   of them after the write (`VecInferCache._sync`, and the partial launch's `after` input).
 
 Encode (`encode_kernel_source`): one threadgroup per (token, KV head): RoPE_m(μ) subtracted,
 smooth scales, Hadamard in threadgroup memory, nearest centroid per sub-vector with the
@@ -528,6 +532,7 @@ _ENCODE_MAIN = """
 
   // keys: k - RoPE_m(mu), / lambda, Hadamard, nearest codeword per sub-vector
   float x = static_cast<float>(k_in[row + d]);
+  RING_K_WRITE
   if (CENTER) {
     const int j = TRAD ? d / 2 : d % P;
     const int ia = TRAD ? 2 * j : j;
@@ -586,12 +591,13 @@ _ENCODE_MAIN = """
       const int p = 8 * b + k;
       if (p < KM * KB) byte |= ((s_code[p / KB] >> (p % KB)) & 1u) << k;
     }
-    key_out[((h * n) + i_tok) * KBYTES + b] = (uint8_t)byte;
+    KEY_DST[CODE_ROW * KBYTES + b] = (uint8_t)byte;
   }
   VQ_BARRIER();
 
   // values: v - mu_v, then (when calibrated so) / lambda_v and Hadamard
   float y = static_cast<float>(v_in[row + d]);
+  RING_V_WRITE
   if (VMEAN) y -= static_cast<float>(value_mean[h * D + d]);
   if (VSMOOTH) y /= static_cast<float>(value_smooth[h * D + d]);
   s_x[d] = y;
@@ -640,7 +646,7 @@ _ENCODE_MAIN = """
       const int p = 8 * b + k;
       if (p < VM * VB) byte |= ((s_code[p / VB] >> (p % VB)) & 1u) << k;
     }
-    value_out[((h * n) + i_tok) * VBYTES + b] = (uint8_t)byte;
+    VALUE_DST[CODE_ROW * VBYTES + b] = (uint8_t)byte;
   }
 """
 
@@ -716,6 +722,9 @@ PARTIAL_INPUTS = (
     "win_v",
     "new_k",
     "new_v",
+    # not read: the output of the cache's latest in-place update (or a placeholder), so that
+    # MLX orders this launch after the write even when the two steps share one evaluation
+    "after",
 )
 
 
@@ -823,29 +832,74 @@ def _attention_kernel_sources(
 COMBINE_INPUTS = ("part_m", "part_l", "part_o", "iparams", "value_smooth", "value_mean")
 
 
-def combine_encode_kernel_source(lay: Layout, out_dtype: mx.Dtype) -> KernelSource:
+def combine_encode_kernel_source(
+    lay: Layout, out_dtype: mx.Dtype, window_dtype: mx.Dtype | None = None
+) -> KernelSource:
     """The combine and the encoder in one launch (a decode step whose window is full: the
     token leaving it is encoded while the splits are merged, one launch fewer per layer).
     Threadgroups 0 .. HQ-1 combine as `attention_kernel_sources`' combine does; threadgroup
-    HQ + t·HKV + h encodes token t of KV head h from iparams[EP..EP+3] as the encoder does."""
-    key = ("combine_encode", lay, str(out_dtype))
+    HQ + t·HKV + h encodes token t of KV head h from iparams[EP..EP+3] as the encoder does.
+
+    With `window_dtype` (the dtype of the cache's window ring) the launch also updates the
+    cache in place, so a decode step needs no other operation: it writes the codes into the
+    cache's code buffers (`IN_PLACE_INPUTS`; row iparams[0], the coded count, of iparams[6]
+    rows) and the step's new token over the ring slot it encodes. Without, it returns the
+    codes as key_out / value_out [1, H, 1, bytes] for the caller to append."""
+    key = ("combine_encode", lay, str(out_dtype), str(window_dtype))
     if key not in _SOURCES:
+        in_place = window_dtype is not None
+        constants = {**_common_constants(lay), "OUT_T": out_dtype, "EP": ENCODE_PARAM}
+        if in_place:
+            constants["WIN_T"] = window_dtype
         _SOURCES[key] = KernelSource(
-            name="vq_vecinfer_attn_combine_encode",
-            inputs=COMBINE_INPUTS + ENCODE_INPUTS[:2] + ENCODE_INPUTS[3:7] + ENCODE_INPUTS[9:],
-            outputs=("out", "key_out", "value_out"),
+            name="vq_vecinfer_attn_combine_encode" + ("_in_place" if in_place else ""),
+            inputs=COMBINE_INPUTS
+            + ENCODE_INPUTS[:2]
+            + ENCODE_INPUTS[3:7]
+            + ENCODE_INPUTS[9:]
+            + (IN_PLACE_INPUTS if in_place else ()),
+            outputs=("out",) if in_place else ("out", "key_out", "value_out"),
             body=_ENCODE_SHARED
             + "  if ((int)vq_gx < HQ) {\n"
             + _COMBINE_MAIN
             + "  } else {\n"
-            + _ENCODE_MAIN.replace("ENC_TOKEN", "((int)vq_gx - HQ) / HKV").replace(
-                "ENC_HEAD", "((int)vq_gx - HQ) % HKV"
-            )
+            + _encode_statements("((int)vq_gx - HQ) / HKV", "((int)vq_gx - HQ) % HKV", in_place)
             + "  }\n",
-            constants={**_common_constants(lay), "OUT_T": out_dtype, "EP": ENCODE_PARAM},
+            constants=constants,
             threads=lay.head_dim,
         )
     return _SOURCES[key]
+
+
+# What the in-place combine also takes: the code buffers it appends to and the new token it
+# writes into the ring (the ring itself is its k_in / v_in).
+IN_PLACE_INPUTS = ("key_codes", "value_codes", "new_k", "new_v")
+
+
+def _encode_statements(token: str, head: str, in_place: bool) -> str:
+    """The encoder's statements for the threadgroup of (token, KV head) given by the two
+    expressions. In place (a decode step's one token), each thread writes the new token's
+    element of the ring row it has just read, and the codes go to row iparams[0] + token of
+    the cache's code buffers; otherwise the codes go to key_out / value_out [1, H, n, bytes]."""
+    if in_place:
+        ring = (
+            "const_cast<VQ_GLOBAL WIN_T*>({src})[row + d] = "
+            "static_cast<WIN_T>(static_cast<float>({new}[h * D + d]));"
+        )
+        names = {
+            "RING_K_WRITE": ring.format(src="k_in", new="new_k"),
+            "RING_V_WRITE": ring.format(src="v_in", new="new_v"),
+            "KEY_DST": "const_cast<VQ_GLOBAL uint8_t*>(key_codes)",
+            "VALUE_DST": "const_cast<VQ_GLOBAL uint8_t*>(value_codes)",
+            "CODE_ROW": "(h * iparams[6] + iparams[0] + i_tok)",
+        }
+    else:
+        names = {"RING_K_WRITE": "", "RING_V_WRITE": "", "KEY_DST": "key_out"}
+        names.update(VALUE_DST="value_out", CODE_ROW="((h * n) + i_tok)")
+    body = _ENCODE_MAIN.replace("ENC_TOKEN", token).replace("ENC_HEAD", head)
+    for name, text in names.items():
+        body = body.replace(name, text)
+    return body
 
 
 ENCODE_INPUTS = (
@@ -875,8 +929,7 @@ def _encode_kernel_source(lay: Layout) -> KernelSource:
         name="vq_vecinfer_encode",
         inputs=ENCODE_INPUTS,
         outputs=("key_out", "value_out"),
-        body=_ENCODE_SHARED
-        + _ENCODE_MAIN.replace("ENC_TOKEN", "(int)vq_gx").replace("ENC_HEAD", "(int)vq_gy"),
+        body=_ENCODE_SHARED + _encode_statements("(int)vq_gx", "(int)vq_gy", in_place=False),
         constants={**_common_constants(lay), "EP": 0},
         threads=lay.head_dim,
     )
@@ -893,10 +946,11 @@ PARAMS = 16  # int32 slots of iparams (>= 8 elements, see veloxquant.kernels.lau
 # Where the encoder's four parameters start in a decode step's iparams (slots 0-7 are the
 # attention's), so that one array serves the partial and the combine with the encoder.
 ENCODE_PARAM = 8
-# Whether a decode step encodes the token leaving the window inside the combine launch (one
-# launch fewer per layer) or in the encoder's own launch (which the GPU can run alongside the
-# attention); benchmarks compare the two.
-ENCODE_IN_COMBINE = True
+# Whether a decode step's combine launch writes the leaving token's codes and the new token
+# into the cache's buffers itself (the default: the step is its two launches and nothing else)
+# or returns the codes for the cache to append with slice updates, the new token going into
+# the ring by slice updates too (four more operations per layer); benchmarks compare the two.
+WRITE_IN_PLACE = True
 
 
 def layout_of(cache: Any, n_q_heads: int) -> Layout:
@@ -1061,7 +1115,7 @@ def attention_inputs(
     n_splits = -(-n_coded // tps) if n_coded else 0
     const = layer_constants(cache, r)
     kbuf, vbuf = cache._kbuf, cache._vbuf
-    if kbuf is None or n_coded == 0:
+    if kbuf is None:  # nothing coded, and nothing to write
         kbuf = _dummy((1, h, 1, lay.key_bytes), mx.uint8)
         vbuf = _dummy((1, h, 1, lay.value_bytes), mx.uint8)
     f16 = mx.float16
@@ -1105,14 +1159,18 @@ def attention_inputs(
         wv,
         nk,
         nv,
+        cache._last_write if cache._last_write is not None else _dummy((8,), queries.dtype),
     ]
     extra = [iparams, const["value_smooth"], const["value_mean"]]
     if encode is not None:  # the combine with the encoder: its inputs after the combine's
         extra += [wk, wv, fparams, cache.smooth, key_mean, inv_freq]
         extra += [cache.key_codebook, cache.value_codebook]
+    in_place = encode is not None and WRITE_IN_PLACE
+    if in_place:
+        extra += [kbuf, vbuf, nk, nv]
     part, combine = attention_kernel_sources(lay, queries.dtype, r)
     if encode is not None:
-        combine = combine_encode_kernel_source(lay, queries.dtype)
+        combine = combine_encode_kernel_source(lay, queries.dtype, wk.dtype if in_place else None)
     return {
         "layout": lay,
         "sources": (part, combine),
@@ -1122,6 +1180,7 @@ def attention_inputs(
         "n_splits": n_splits,
         "r": r,
         "encode": encode is not None,
+        "in_place": in_place,
     }
 
 
@@ -1130,7 +1189,9 @@ def decode_attention(
 ) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
     """Fused decode attention on the GPU: [1, H_q, 1, D] queries → ([1, H_q, 1, D] output,
     the leaving token's (key codes, value codes) [1, H, 1, bytes] when `pending` has one to
-    encode, else None)."""
+    encode and WRITE_IN_PLACE is off, else None). In place, the launch writes those codes at
+    row `pending["n_coded"]` of the cache's code buffers (which must have room) and the
+    call's new token over the leaving token's ring slot."""
     return launch_attention(attention_inputs(cache, queries, scale, pending), queries)
 
 
@@ -1157,6 +1218,9 @@ def launch_attention(
         (out,) = launch(combine, parts, (n_q, 1, 1), [(1, n_q, 1, d)], [queries.dtype])
         return out, None
     h = lay.n_kv_heads
+    if a["in_place"]:
+        (out,) = launch(combine, parts, (n_q + h, 1, 1), [(1, n_q, 1, d)], [queries.dtype])
+        return out, None
     out, kc, vc = launch(
         combine,
         parts,

@@ -1,11 +1,12 @@
-"""Where a fused VecInfer decode step encodes the token leaving the window: inside the combine
-launch of the attention (`ENCODE_IN_COMBINE = True`, the default: one launch fewer per layer)
-or in the encoder's own launch, which the GPU may run alongside the attention. One process,
+"""How a fused VecInfer decode step updates the cache: in place, inside the attention's own
+combine launch (`kernels.WRITE_IN_PLACE = True`, the default: a layer's step is its two
+launches), or by MLX operations (`False`: the launch returns the leaving token's codes, which
+two slice updates append, and two more write the new token into the window ring). One process,
 one pre-filled cache set for both VecInfer arms, fp16 `KVCache` beside them; arms interleaved,
 tokens/s of mlx-lm's `generate_step` (median [min, max]), the synchronous step and its host
-graph-build time.
+graph-build and submission times.
 
-    python benchmarks/bench_encode_in_combine.py \
+    python benchmarks/bench_in_place.py \
         --random-weights benchmarks/configs/llama3-8b.json --dtype bfloat16 --contexts 16384 65536
 """
 
@@ -25,23 +26,23 @@ def main() -> None:
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
     token = mx.array([[42]])
-    default = K.ENCODE_IN_COMBINE
+    default = K.WRITE_IN_PLACE
 
-    def encode_in_combine(flag: bool):
+    def write_in_place(flag: bool):
         def select():
-            K.ENCODE_IN_COMBINE = flag
+            K.WRITE_IN_PLACE = flag
 
         return select
 
     for ctx in args.contexts:
         fp, vq = fp16_and_fused_caches(model, ctx)
         arms = {
-            "fp16": (fp, encode_in_combine(default)),
-            "in-combine": (vq, encode_in_combine(True)),
-            "own-launch": (vq, encode_in_combine(False)),
+            "fp16": (fp, write_in_place(default)),
+            "in-place": (vq, write_in_place(True)),
+            "slice-updates": (vq, write_in_place(False)),
         }
         result = interleaved_decode(model, arms, token, args.repeats, args.tokens)
-        K.ENCODE_IN_COMBINE = default
+        K.WRITE_IN_PLACE = default
         print(f"context {ctx}: {args.tokens} tokens, {args.repeats} interleaved repeats")
         print_decode(result)
         del fp, vq, arms
