@@ -201,9 +201,23 @@ def _captured_keys(calib_dir, sub_dim: int) -> mx.array:
     return x[:, : n * sub_dim].reshape(3, n, sub_dim)
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def assign_isa(request):
+    """The assignment kernel's sixteen-lane (AVX-512, where the CPU has it) and eight-lane
+    paths, each in turn (the same bits; a CPU without AVX-512 runs the eight-lane one twice)."""
+    from veloxquant import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels are not built")
+    ext = cpu_kernels._module
+    ext.set_wide_assign(request.param == "avx512")
+    yield request.param
+    ext.set_wide_assign(True)
+
+
 @needs_kernels
 @pytest.mark.parametrize("sub_dim", [1, 2, 3, 4, 5, 6])
-def test_the_assignment_kernel_has_the_gemm_paths_bits_on_real_keys(calib_dir, sub_dim):
+def test_the_assignment_kernel_has_the_gemm_paths_bits_on_real_keys(calib_dir, sub_dim, assign_isa):
     from veloxquant import cpu_kernels
     from veloxquant.kmeans import _nearest_on_host, augment_codebook
 
@@ -279,3 +293,53 @@ def test_the_subsample_takes_the_draws_mlx_argsort_takes_ties_included():
         for k in (1, 17, 4999):
             want = np.array(mx.argsort(draws, axis=1)[:, :k])
             np.testing.assert_array_equal(_smallest_first(np.array(draws), k), want)
+
+
+def _draw_once(d2_target: np.ndarray, u: np.ndarray, kernel: bool) -> np.ndarray:
+    """One D² draw per uniform, in groups that all start from point 0 of the same points,
+    placed so that point i's squared distance to point 0 is d2_target[i]."""
+    from veloxquant import cpu_kernels
+    from veloxquant.kmeans import _d2_draws
+
+    g = u.shape[0]
+    pts = np.sqrt(d2_target).astype(np.float32)[None, :, None].repeat(g, 0)  # 1-D, point 0 at 0
+    x, first = mx.array(pts), mx.zeros((g,), mx.uint32)
+    uu = mx.array(u.astype(np.float32))[None]
+    if kernel:
+        return np.array(cpu_kernels.kmeanspp_draws(x, first, uu))[:, 1]
+    return np.array(_d2_draws(x, first, uu, False, ""))[:, 1]
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_kmeans_pp_draws_points_in_proportion_to_their_squared_distance(kernel):
+    from veloxquant import cpu_kernels
+
+    if kernel and not cpu_kernels.available():
+        pytest.skip("the CPU kernels are not built")
+    d2 = np.array([0.0, 1.0, 0.0, 4.0, 2.0, 0.0, 9.0], np.float64)
+    u = np.random.default_rng(0).uniform(size=20000)
+    got = np.bincount(_draw_once(d2, u, kernel), minlength=d2.size) / u.size
+    np.testing.assert_allclose(got, d2 / d2.sum(), atol=0.01)
+    assert got[[0, 2, 5]].sum() == 0  # points at distance 0 (the first one too) never drawn
+    # the inverse of the cumulative distance, at its edges: u = 0 draws the first point with a
+    # positive distance, u just below 1 the last
+    edges = _draw_once(d2, np.array([0.0, np.nextafter(1.0, 0.0)]), kernel)
+    assert edges.tolist() == [1, 6]
+
+
+@needs_kernels
+@pytest.mark.parametrize("sub_dim,k", [(2, 64), (4, 256), (1, 1), (3, 9)])
+def test_the_kmeans_pp_kernel_draws_what_the_mlx_loop_draws(calib_dir, sub_dim, k):
+    from veloxquant import cpu_kernels
+    from veloxquant.kmeans import _d2_draws
+
+    x = _captured_keys(calib_dir, sub_dim)[:, :2000]
+    x = mx.concatenate([x, x[:, :500]], axis=1)  # repeated points: distances of exactly 0
+    first = mx.array([0, 7, 1999], dtype=mx.uint32)
+    u = mx.random.uniform(shape=(k - 1, 3), key=mx.random.key(k))
+    got = cpu_kernels.kmeanspp_draws(x, first, u)
+    want = _d2_draws(x, first, u, False, "")
+    assert got.shape == (3, k)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+    with pytest.raises(RuntimeError, match="first index"):
+        mx.eval(cpu_kernels.kmeanspp_draws(x, mx.array([0, 1, 2500], dtype=mx.uint32), u))

@@ -459,8 +459,8 @@ class QuantizedMatmul : public CpuPrimitive {
 // sgemm kernel (pinned by veloxquant._platform) sums as one fused multiply-add per term, in
 // order, from zero: s = fma(x_0, -2c_j0, 0), s = fma(x_i, -2c_ji, s), ..., s + |c_j|^2, where
 // |c_j|^2 and |x|^2 are MLX's one-lane sums of the rounded squares. The first smallest score
-// wins, as numpy's argmin takes it; the error is max(score + |x|^2, 0). Eight points run side
-// by side against one centroid at a time, without a score block in memory.
+// wins, as numpy's argmin takes it; the error is max(score + |x|^2, 0). Eight points (sixteen
+// with AVX-512) run side by side against one centroid at a time, without a score block in memory.
 
 // Runs fn(part, parts) on `parts` threads (this one included), each over its own part of the
 // work (the result of each part does not depend on how many there are, so neither do the bits).
@@ -500,7 +500,9 @@ int64_t worker_threads(int64_t work) {
 // Points [begin, end) of one group: x [n, D] row-major, aug [k, D] = -2c, norms [k] = |c|^2.
 // Four blocks of eight points go through the centroids together, so that the compare-and-keep
 // of one block does not wait on the previous centroid's (min(score, best) keeps best unless
-// score < best, as the first-minimum rule does). Returns whether any score was NaN.
+// score < best, as the first-minimum rule does). Returns whether any score was NaN. The loops
+// over blocks and dimensions are unrolled so that xs, best and best_j stay in registers (left
+// rolled, GCC kept them in memory and every score waited on a store: 2-3x slower).
 template <int D>
 __attribute__((target("avx2,fma"))) bool nearest_points(
     const float* x, const float* aug, const float* norms, int64_t begin, int64_t end, int64_t k,
@@ -514,7 +516,9 @@ __attribute__((target("avx2,fma"))) bool nearest_points(
   for (int64_t p = begin; p < end; p += 8 * B) {
     __m256 xs[B][D], best[B], x_sq[B];
     __m256i best_j[B];
+#pragma GCC unroll 8
     for (int blk = 0; blk < B; ++blk) {
+#pragma GCC unroll 8
       for (int i = 0; i < D; ++i) {
         for (int q = 0; q < 8; ++q) {
           const int64_t point = p + blk * 8 + q;
@@ -523,6 +527,7 @@ __attribute__((target("avx2,fma"))) bool nearest_points(
         xs[blk][i] = _mm256_load_ps(lanes[blk][i]);
       }
       x_sq[blk] = zero;
+#pragma GCC unroll 8
       for (int i = 0; i < D; ++i) {
         x_sq[blk] = _mm256_add_ps(x_sq[blk], _mm256_mul_ps(xs[blk][i], xs[blk][i]));
       }
@@ -535,8 +540,10 @@ __attribute__((target("avx2,fma"))) bool nearest_points(
       for (int i = 0; i < D; ++i) av[i] = _mm256_set1_ps(a[i]);
       const __m256 norm = _mm256_set1_ps(norms[j]);
       const __m256 jv = _mm256_castsi256_ps(_mm256_set1_epi32(int(j)));
+#pragma GCC unroll 8
       for (int blk = 0; blk < B; ++blk) {
         __m256 score = _mm256_fmadd_ps(xs[blk][0], av[0], zero);
+#pragma GCC unroll 8
         for (int i = 1; i < D; ++i) score = _mm256_fmadd_ps(xs[blk][i], av[i], score);
         score = _mm256_add_ps(score, norm);
         const __m256 less = _mm256_cmp_ps(score, best[blk], _CMP_LT_OQ);
@@ -546,6 +553,7 @@ __attribute__((target("avx2,fma"))) bool nearest_points(
             _mm256_blendv_ps(_mm256_castsi256_ps(best_j[blk]), jv, less));
       }
     }
+#pragma GCC unroll 8
     for (int blk = 0; blk < B; ++blk) {
       _mm256_store_si256(reinterpret_cast<__m256i*>(best_code[blk]), best_j[blk]);
       _mm256_store_ps(best_err[blk], _mm256_max_ps(_mm256_add_ps(best[blk], x_sq[blk]), zero));
@@ -561,10 +569,96 @@ __attribute__((target("avx2,fma"))) bool nearest_points(
   return _mm256_movemask_ps(any_nan) != 0;
 }
 
+// nearest_points with sixteen lanes (AVX-512): the same operations per lane, so the same bits.
+// B blocks of sixteen points keep xs, best and best_j in the 32 vector registers; the running
+// NaN check is one mask OR per score.
+template <int D>
+__attribute__((target("avx512f"))) bool nearest_points16(
+    const float* x, const float* aug, const float* norms, int64_t begin, int64_t end,
+    int64_t k, uint32_t* codes, float* err) {
+  constexpr int B = D <= 4 ? 4 : 2;
+  const __m512 zero = _mm512_setzero_ps();
+  __mmask16 any_nan = 0;
+  alignas(64) float lanes[B][D][16];
+  alignas(64) uint32_t best_code[B][16];
+  alignas(64) float best_err[B][16];
+  for (int64_t p = begin; p < end; p += 16 * B) {
+    __m512 xs[B][D], best[B], x_sq[B];
+    __m512i best_j[B];
+#pragma GCC unroll 8
+    for (int blk = 0; blk < B; ++blk) {
+#pragma GCC unroll 8
+      for (int i = 0; i < D; ++i) {
+        for (int q = 0; q < 16; ++q) {
+          const int64_t point = p + blk * 16 + q;
+          lanes[blk][i][q] = point < end ? x[point * D + i] : 0.0f;
+        }
+        xs[blk][i] = _mm512_load_ps(lanes[blk][i]);
+      }
+      x_sq[blk] = zero;
+#pragma GCC unroll 8
+      for (int i = 0; i < D; ++i) {
+        x_sq[blk] = _mm512_add_ps(x_sq[blk], _mm512_mul_ps(xs[blk][i], xs[blk][i]));
+      }
+      best[blk] = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+      best_j[blk] = _mm512_setzero_si512();
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      const float* a = aug + j * D;
+      __m512 av[D];
+      for (int i = 0; i < D; ++i) av[i] = _mm512_set1_ps(a[i]);
+      const __m512 norm = _mm512_set1_ps(norms[j]);
+      const __m512i jv = _mm512_set1_epi32(int(j));
+#pragma GCC unroll 8
+      for (int blk = 0; blk < B; ++blk) {
+        __m512 score = _mm512_fmadd_ps(xs[blk][0], av[0], zero);
+#pragma GCC unroll 8
+        for (int i = 1; i < D; ++i) score = _mm512_fmadd_ps(xs[blk][i], av[i], score);
+        score = _mm512_add_ps(score, norm);
+        const __mmask16 less = _mm512_cmp_ps_mask(score, best[blk], _CMP_LT_OQ);
+        any_nan |= _mm512_cmp_ps_mask(score, score, _CMP_UNORD_Q);
+        best[blk] = _mm512_min_ps(score, best[blk]);
+        best_j[blk] = _mm512_mask_mov_epi32(best_j[blk], less, jv);
+      }
+    }
+#pragma GCC unroll 8
+    for (int blk = 0; blk < B; ++blk) {
+      _mm512_store_si512(best_code[blk], best_j[blk]);
+      _mm512_store_ps(best_err[blk], _mm512_max_ps(_mm512_add_ps(best[blk], x_sq[blk]), zero));
+      for (int q = 0; q < 16; ++q) {
+        const int64_t point = p + blk * 16 + q;
+        if (point < end) {
+          codes[point] = best_code[blk][q];
+          err[point] = best_err[blk][q];
+        }
+      }
+    }
+  }
+  return any_nan != 0;
+}
+
+// Whether the assignment may take its sixteen-lane kernel (tests turn it off to compare the two).
+bool g_wide_assign = true;
+
+bool wide_assign() {
+  static const bool avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+  return avx512 && g_wide_assign;
+}
+
 bool nearest_points_of_dim(
     int d, const float* x, const float* aug, const float* norms, int64_t begin, int64_t end,
     int64_t k, uint32_t* codes, float* err) {
-  switch (d) {  // nearest_centroid admits d = 1-6 only
+  if (wide_assign()) {
+    switch (d) {  // nearest_centroid admits d = 1-6 only
+      case 1: return nearest_points16<1>(x, aug, norms, begin, end, k, codes, err);
+      case 2: return nearest_points16<2>(x, aug, norms, begin, end, k, codes, err);
+      case 3: return nearest_points16<3>(x, aug, norms, begin, end, k, codes, err);
+      case 4: return nearest_points16<4>(x, aug, norms, begin, end, k, codes, err);
+      case 5: return nearest_points16<5>(x, aug, norms, begin, end, k, codes, err);
+      default: return nearest_points16<6>(x, aug, norms, begin, end, k, codes, err);
+    }
+  }
+  switch (d) {
     case 1: return nearest_points<1>(x, aug, norms, begin, end, k, codes, err);
     case 2: return nearest_points<2>(x, aug, norms, begin, end, k, codes, err);
     case 3: return nearest_points<3>(x, aug, norms, begin, end, k, codes, err);
@@ -791,6 +885,70 @@ class ClusterSums : public CpuPrimitive {
   int64_t k_;
 };
 
+// veloxquant/kmeans.py's k-means++ D² draws (`_d2_draws`), op for op as its MLX loop runs on
+// the CPU: each group starts from point `first`; D² is the squared distance to the nearest point
+// drawn so far, a point's ((0 + (x_0 - c_0)^2) + (x_1 - c_1)^2) + ... kept by min; each of the
+// K - 1 draws takes the number of points whose inclusive cumulative D² (summed in order) is <=
+// u * total, at most m - 1. Groups run side by side; a group's draws do not depend on that.
+class KmeansPPDraws : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = begin_eval(stream(), inputs, outputs);
+    const mx::array &x = inputs[0], &first = inputs[1], &u = inputs[2];
+    const int64_t groups = x.shape(0), m = x.shape(1), d = x.shape(2), draws = u.shape(0);
+    const float* xp = x.data<float>();
+    const uint32_t* fp = first.data<uint32_t>();
+    const float* up = u.data<float>();
+    uint32_t* idx = outputs[0].data<uint32_t>();
+    encoder.dispatch([=]() {
+      std::vector<char> bad(8, 0);
+      run_parts(std::min<int64_t>(groups, worker_threads(groups * m * d * draws)),
+                [&](int64_t part, int64_t parts) {
+        std::vector<float> d2(m), cum(m);
+        for (int64_t g = groups * part / parts; g < groups * (part + 1) / parts; ++g) {
+          const float* xg = xp + g * m * d;
+          uint32_t* out = idx + g * (draws + 1);
+          uint32_t j = fp[g];
+          if (j >= m) {
+            bad[part] = 1;
+            continue;
+          }
+          out[0] = j;
+          for (int64_t p = 0; p < m; ++p) d2[p] = std::numeric_limits<float>::infinity();
+          for (int64_t s = 0; s < draws; ++s) {
+            const float* c = xg + j * d;
+            for (int64_t p = 0; p < m; ++p) {
+              float acc = 0.0f;
+              for (int64_t i = 0; i < d; ++i) {
+                const float diff = xg[p * d + i] - c[i];
+                acc = acc + diff * diff;
+              }
+              d2[p] = d2[p] < acc ? d2[p] : acc;  // MLX's minimum(d2, acc)
+            }
+            float total = 0.0f;
+            for (int64_t p = 0; p < m; ++p) cum[p] = total = total + d2[p];
+            const float t = up[s * groups + g] * total;
+            const int64_t below = std::upper_bound(cum.begin(), cum.end(), t) - cum.begin();
+            j = static_cast<uint32_t>(std::min<int64_t>(below, m - 1));
+            out[s + 1] = j;
+          }
+        }
+      });
+      throw_if_any(bad, "[veloxquant.cpu_kernels] kmeanspp_draws: a first index is >= m");
+    });
+  }
+
+  const char* name() const override {
+    return "VeloxquantCpuKmeansPPDraws";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
 mx::Stream cpu_stream() {
   const mx::Stream stream = mx::default_stream(mx::default_device());
   if (stream.device.type != mx::Device::DeviceType::cpu) {
@@ -959,6 +1117,23 @@ std::vector<mx::array> cluster_sums(const mx::array& x, const mx::array& codes, 
       {mx::contiguous(x, false, s), mx::contiguous(codes, false, s)});
 }
 
+std::vector<mx::array> kmeanspp_draws(const mx::array& x, const mx::array& first,
+                                      const mx::array& u) {
+  check_float32(x, 3);
+  check_float32(u, 2);
+  if (x.ndim() != 3 || first.dtype() != mx::uint32 || first.ndim() != 1 ||
+      first.shape(0) != x.shape(0) || u.ndim() != 2 || u.shape(1) != x.shape(0) ||
+      x.shape(1) < 1) {
+    throw std::invalid_argument(
+        "[veloxquant.cpu_kernels] kmeanspp_draws takes x [G, m, d], uint32 first [G], "
+        "u [K - 1, G]");
+  }
+  const mx::Stream s = cpu_stream();
+  return mx::array::make_arrays(
+      {{x.shape(0), u.shape(0) + 1}}, {mx::uint32}, std::make_shared<KmeansPPDraws>(s),
+      {mx::contiguous(x, false, s), mx::contiguous(first, false, s), mx::contiguous(u, false, s)});
+}
+
 // The exp alone, over a buffer of float32s, for the exhaustive comparison with mx.exp.
 __attribute__((target("avx2,fma"))) nb::bytes exp_float32(nb::bytes data) {
   if (data.size() % (8 * sizeof(float)) != 0) {
@@ -993,6 +1168,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("nearest_pair_codeword", &nearest_pair_codeword, nb::arg("u"), nb::arg("v"),
         nb::arg("cross"));
   m.def("cluster_sums", &cluster_sums, nb::arg("x"), nb::arg("codes"), nb::arg("k"));
+  m.def("kmeanspp_draws", &kmeanspp_draws, nb::arg("x"), nb::arg("first"), nb::arg("u"));
   m.def("exp_float32", &exp_float32, nb::arg("data"));
   m.def("cpu_supported", &cpu_supported);
+  m.def("set_wide_assign", [](bool on) { g_wide_assign = on; }, nb::arg("on"));
+  m.def("wide_assign", &wide_assign);
 }

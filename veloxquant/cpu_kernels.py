@@ -430,6 +430,20 @@ def cluster_sums(x: mx.array, codes: mx.array, k: int) -> tuple[mx.array, mx.arr
     return sums, counts
 
 
+def kmeanspp_draws(x: mx.array, first: mx.array, u: mx.array) -> mx.array:
+    """veloxquant.kmeans' k-means++ D² draws, the same indices: x [G, m, d] float32, the first
+    point of each group (uint32 [G]) and one uniform per draw and group (u [K - 1, G] float32)
+    -> the K drawn indices [G, K] uint32, in one pass over the groups instead of K - 1 rounds of
+    MLX operations."""
+    if not (usable(x, u) and first.dtype == mx.uint32):
+        raise ValueError(
+            "cpu_kernels.kmeanspp_draws takes float32 x and u and uint32 first on the CPU with "
+            "the extension built"
+        )
+    (idx,) = _module.kmeanspp_draws(x, first, u)
+    return idx
+
+
 @contextlib.contextmanager
 def vectorized() -> Iterator[None]:
     """For the duration of a block, CPU float32 attention with a causal or no mask goes through

@@ -8,7 +8,9 @@ D/sub_dim sub-vectors that share one codebook per group (VecInfer's layout) and 
   [x | 1] · [−2c | ‖c‖²]ᵀ, chunked over points so the [G, n, K] score block stays bounded
   (`chunk_elems`). The argmin never needs ‖x‖², so it is added back only for the error.
 - Init: k-means++ (D² sampling, on a subsample) for small K, distinct random points for large K,
-  where k-means++'s K sequential passes cost more than the Lloyd iterations themselves.
+  where k-means++'s K sequential passes cost more than the Lloyd iterations themselves. Each
+  draw takes one uniform per group and the inverse of the cumulative D² (`_d2_draws`; on the CPU
+  all K - 1 draws are one pass of `cpu_kernels.kmeanspp_draws`, the same indices).
 - Empty clusters are reseeded greedily to the worst-fit points of the last assignment
   (farthest-point style, so two dead centroids never land on one spot); the final count of dead
   centroids is reported.
@@ -17,9 +19,10 @@ D/sub_dim sub-vectors that share one codebook per group (VecInfer's layout) and 
   are scatter-adds on the CPU, and one-hot GEMMs on a GPU (a GPU scatter-add uses atomics, so
   its float sums depend on thread order). Same inputs + seed give bit-identical centroids on
   one device; the CPU's and a GPU's differ in rounding.
-- On an x86 CPU with `veloxquant.cpu_kernels` built, the cluster sums run there, and the
-  assignment too (d <= 6, OpenBLAS's pinned kernels): the same scores summed in the same order,
-  the same codes, sums and centroids bit for bit, without the score block (tests compare both).
+- On an x86 CPU with `veloxquant.cpu_kernels` built, the cluster sums and the k-means++ draws
+  run there, and the assignment too (d <= 6, OpenBLAS's pinned kernels; sixteen points at a
+  time on AVX-512): the same scores summed in the same order, the same codes, sums and
+  centroids bit for bit, without the score block (tests compare both).
 - Score blocks of `chunk_elems` (2M floats, 8 MB by default) stay in the CPU's caches between
   the distance GEMM and the argmin; larger blocks made assignment 2.7x slower (memory-bound).
 """
@@ -215,21 +218,38 @@ def _init_kmeans_pp(x: mx.array, k: int, key: mx.array, progress: bool, desc: st
     m = min(n, max(k, KMEANS_PP_SAMPLE_PER_CENTROID * k))
     if m < n:
         x = _init_sample(x, m, k_sub)
-    first = mx.random.randint(0, m, shape=(g, 1), key=k_first)
-    chosen = [_gather_rows(x, first)]
-    d2 = mx.square(x - chosen[0]).sum(axis=-1)
-    step_keys = mx.random.split(k_steps, max(k - 1, 1))
-    for i in tqdm(range(1, k), desc=f"{desc} init (k-means++)", disable=not progress, leave=False):
-        # D² sampling; points already chosen have d2 = 0 and (log 0 → −inf) are never drawn
-        # again unless every point coincides with a centroid, where any draw is as good.
-        logits = mx.log(mx.maximum(d2, 1e-30))
-        idx = mx.random.categorical(logits, axis=-1, key=step_keys[i - 1])[:, None]
-        c = _gather_rows(x, idx)
-        chosen.append(c)
-        d2 = mx.minimum(d2, mx.square(x - c).sum(axis=-1))
-        if i % 16 == 0:
-            mx.eval(d2, chosen)
-    return mx.concatenate(chosen, axis=1)
+    first = mx.random.randint(0, m, shape=(g,), key=k_first).astype(mx.uint32)
+    u = mx.random.uniform(shape=(k - 1, g), key=k_steps)  # one draw per step and group
+    if cpu_kernels.usable(x, u):
+        idx = cpu_kernels.kmeanspp_draws(x, first, u)
+    else:
+        idx = _d2_draws(x, first, u, progress, desc)
+    return _gather_rows(x, idx)
+
+
+def _d2_draws(x: mx.array, first: mx.array, u: mx.array, progress: bool, desc: str) -> mx.array:
+    """k-means++'s D² sampling: from the point `first` [G] of each group of x [G, m, d], K - 1
+    draws (one per row of the uniforms u [K - 1, G] in [0, 1)), each point drawn with
+    probability proportional to its squared distance to the nearest point drawn so far, by
+    the inverse of the cumulative distance: the first point whose cumulative D² exceeds
+    u · total. Drawn points (D² = 0) are never drawn again unless every point coincides with
+    one, where any draw is as good. -> indices [G, K] uint32. (`cpu_kernels.kmeanspp_draws`
+    computes the same indices in one pass on the CPU.)"""
+    m = x.shape[1]
+    idx = first[:, None]
+    drawn = [idx]
+    d2 = mx.square(x - _gather_rows(x, idx)).sum(axis=-1)
+    for i in tqdm(
+        range(u.shape[0]), desc=f"{desc} init (k-means++)", disable=not progress, leave=False
+    ):
+        cum = mx.cumsum(d2, axis=-1)
+        below = (cum <= u[i][:, None] * cum[:, -1:]).sum(axis=-1, keepdims=True)
+        idx = mx.minimum(below, m - 1).astype(mx.uint32)
+        drawn.append(idx)
+        d2 = mx.minimum(d2, mx.square(x - _gather_rows(x, idx)).sum(axis=-1))
+        if i % 16 == 15:
+            mx.eval(d2, drawn)
+    return mx.concatenate(drawn, axis=1)
 
 
 def _reseed_dead(
