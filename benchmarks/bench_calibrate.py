@@ -11,6 +11,9 @@ method of veloxquant.methods.CALIBRATED into one bundle, each with its default h
         --tokenizer-dir artifacts/smollm2-135m/model --dtype bfloat16 --work /tmp/cal8b
     # one method, with overrides
     python benchmarks/bench_calibrate.py ... --methods ratequant --hp ratequant.fisher_tokens=256
+
+With `--twice`, each method is calibrated a second time into a second bundle, untimed, and its
+artifact's bytes are compared with the first's (determinism on this device).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--methods", nargs="+", default=list(CALIBRATED))
     p.add_argument("--out", type=Path, default=None, help="JSON of the rows, rewritten per stage")
+    p.add_argument("--twice", action="store_true", help="calibrate again; compare the bytes")
     p.add_argument(
         "--hp",
         nargs="*",
@@ -142,6 +146,16 @@ def main() -> None:
             calibrate, method, acts, model_dir, bundle, progress=False, **overrides[method]
         )
         stage(rows, method, run, args.out)
+        if args.twice:
+            again = work / "bundle-again"
+            calibrate(method, acts, model_dir, again, progress=False, **overrides[method])
+            a, b = (
+                max(d.glob(f"{method}-*.safetensors"), key=lambda f: f.stat().st_mtime)
+                for d in (bundle, again)
+            )
+            same = a.read_bytes() == b.read_bytes()
+            rows[-1]["bit_identical_rerun"] = same
+            print(f"{'':<12} rerun: {method}.safetensors bit-identical: {same}", flush=True)
     budget_bytes = sum(f.stat().st_size for f in acts.glob("*.safetensors"))
     print(f"weights {gib(weight_bytes)}, capture on disk {gib(budget_bytes)}")
     summary = {"weights_bytes": weight_bytes, "capture_bytes": budget_bytes, "stages": rows}
