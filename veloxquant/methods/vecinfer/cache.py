@@ -301,7 +301,6 @@ class VecInferCache(CompressedCache):
         self._sync()
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        new._kernel_memo = {}
         buffers = [
             name for name in ("_kbuf", "_vbuf", "_wk", "_wv") if getattr(self, name) is not None
         ]
@@ -372,6 +371,7 @@ class VecInferCache(CompressedCache):
         encode = pending.get("encode")
         if encode is None:
             return pending
+        self._sync()
         wk, wv = pending["win"]
         self._append_codes(*self._encode_rows(wk, wv, encode[0], 1, encode[1]))
         return {**pending, "encode": None}
@@ -420,6 +420,7 @@ class VecInferCache(CompressedCache):
         slot = pending.get("ring")
         if slot is None:
             return
+        self._sync()
         wdt = self._wk.dtype
         new_k, new_v = pending["new"]
         ring_k, ring_v = copy.copy(self._wk), copy.copy(self._wv)
@@ -510,7 +511,7 @@ class VecInferCache(CompressedCache):
                 self._append_codes(*codes)
             return out
         self.last_attention = "reference"
-        self._sync()
+        self._sync()  # the twin reads the code buffers
         self._write_ring(pending)
         pending = self._encode_leaving(pending)
         return kernels.reference_attention(self, queries, scale, mask, pending)
