@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -48,12 +49,6 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--attention", default="fused", choices=["fused", "unfused"])
     args = p.parse_args()
-    if args.attention == "unfused":
-        import mlx_lm.models.base as base
-        import mlx_lm.models.llama as llama
-
-        base.scaled_dot_product_attention = unfused_attention
-        llama.scaled_dot_product_attention = unfused_attention
     config = json.loads(Path(args.config).read_text())
     print(
         f"mlx {mx.__version__}, device {mx.default_device()}, {args.dtype}, {args.mode}, "
@@ -64,6 +59,8 @@ def main() -> None:
             path = Path(tmp) / "config.json"
             path.write_text(json.dumps({**config, "num_hidden_layers": layers}))
             model = random_weights_model(path, getattr(mx, args.dtype))
+        if args.attention == "unfused":  # the name the model's own module bound at import
+            sys.modules[type(model).__module__].scaled_dot_product_attention = unfused_attention
         weights = mx.get_active_memory()
         for n in args.tokens:
             mx.clear_cache()
