@@ -71,6 +71,12 @@ struct float4 {
   float4() = default;
   float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
 };
+struct uint2 {
+  uint32_t x, y;
+};
+struct uint4 {
+  uint32_t x, y, z, w;
+};
 struct vq_emu_state {
   std::barrier<>* block = nullptr;
   std::vector<std::barrier<>*> warps;

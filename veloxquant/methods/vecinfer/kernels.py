@@ -73,6 +73,7 @@ THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 # coefficients are read from threadgroup memory once for all of them.
 TOKENS_PER_THREAD = 4
 _VEC = {1: "float", 2: "float2", 4: "float4"}
+_WORDS = {1: "uint32_t", 2: "uint2", 4: "uint4"}  # key code row loads, by 32-bit words
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,9 @@ _PARTIAL_BODY = (
     }
     VQ_BARRIER();
 
-    const VQ_GLOBAL uint32_t* kwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(key_codes);
+    // key code rows read KLV words at a time (16-byte loads when rows are whole 16 bytes: a
+    // quarter of the load instructions and L1 wavefronts of 32-bit loads)
+    const VQ_GLOBAL KLVEC* kvecs = reinterpret_cast<const VQ_GLOBAL KLVEC*>(key_codes);
     const VQ_GLOBAL uint32_t* vwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(value_codes);
     const VQ_GLOBAL float2* etab = reinterpret_cast<const VQ_GLOBAL float2*>(phase_table);
     const int mv = (int)vq_tid % VM;      // value sub-space this thread accumulates
@@ -315,9 +318,13 @@ _PARTIAL_BODY = (
       VQ_UNROLL
       for (int r = 0; r < R; ++r) {
         const bool ok = t0 + r < t_end;
-        const int row = (h * cap + (ok ? t0 + r : t_begin)) * KW;
+        const int row = (h * cap + (ok ? t0 + r : t_begin)) * (KW / KLV);
         VQ_UNROLL
-        for (int i = 0; i < KW; ++i) w[r][i] = kwords[row + i];
+        for (int i = 0; i < KW / KLV; ++i) {
+          const KLVEC x = kvecs[row + i];
+          VQ_UNROLL
+          for (int e = 0; e < KLV; ++e) w[r][i * KLV + e] = vq_word(x, e);
+        }
         VQ_UNROLL
         for (int g = 0; g < G; ++g) s[r][g] = 0.0f;
       }
@@ -659,6 +666,11 @@ VQ_FN float vq_comp(float2 v, int i) { return i == 0 ? v.x : v.y; }
 VQ_FN float vq_comp(float4 v, int i) {
   return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
+VQ_FN uint32_t vq_word(uint32_t v, int i) { return v; }
+VQ_FN uint32_t vq_word(uint2 v, int i) { return i == 0 ? v.x : v.y; }
+VQ_FN uint32_t vq_word(uint4 v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
 #endif
 """
 
@@ -764,6 +776,8 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
     tg = TILE // vm
     krep = _replicas(1 << lay.key_bits, lay.key_sub_dim)
     gp = _round4(lay.group)
+    kw = lay.key_bytes // 4
+    klv = 4 if kw % 4 == 0 else (2 if kw % 2 == 0 else 1)
     return {
         **c,
         "TILE": TILE,
@@ -784,6 +798,8 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
         ),
         "NFP": -(-lay.group * lay.head_dim // TILE),
         "KVEC": _VEC[lay.key_sub_dim],
+        "KLV": klv,
+        "KLVEC": _WORDS[klv],
         "VVEC": _VEC[lay.value_sub_dim],
     }
 
