@@ -192,7 +192,9 @@ def _shim_dir() -> Path:
         path = root / name
         if not path.exists() or path.read_text() != text:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)  # another worker may be compiling against it
     return root
 
 
@@ -236,17 +238,20 @@ def build(source: KernelSource, backend: str, in_types: list[str], out_types: li
     digest = hashlib.sha1(tu.encode()).hexdigest()[:16]
     lib = _CACHE / f"{source.name}_{backend}_{digest}.so"
     if not lib.exists():
-        src = lib.with_suffix(".cpp")
+        # pytest-xdist workers may build the same library at once: each writes its own
+        # files and the last rename wins (the same bytes), so none loads a half-written one
+        src = lib.with_suffix(f".{os.getpid()}.cpp")
+        tmp = f"{lib}.{os.getpid()}.tmp"
         src.parent.mkdir(parents=True, exist_ok=True)
         src.write_text(tu)
         cmd = [CXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread"]
-        cmd += ["-I", str(_shim_dir()), "-o", str(lib) + ".tmp", str(src)]
+        cmd += ["-I", str(_shim_dir()), "-o", tmp, str(src)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(
                 f"{backend} source of {source.name} failed to compile:\n{res.stderr}"
             )
-        os.replace(str(lib) + ".tmp", lib)
+        os.replace(tmp, lib)
     return ctypes.CDLL(str(lib))
 
 
