@@ -62,6 +62,11 @@ def kernel_ab(args, baseline) -> None:
             f"context {n}: max |this tree - baseline| {mx.abs(a - b).max().item():.3g}"
             f" (max |output| {mx.abs(a).max().item():.3g})"
         )
+        if args.twin:  # each revision against this tree's pure-MLX twin (float32)
+            ref = current.reference_attention(caches[0], qs[0], scale, None, pend[0])
+            for name, out in outs.items():
+                err = mx.abs(out.astype(mx.float32) - ref).max().item()
+                print(f"context {n}: max |{name} - twin| {err:.3g}")
         if args.calls:
             for K in revisions.values():
                 for _ in range(args.calls):
@@ -119,6 +124,7 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[16384, 65536, 131072])
     p.add_argument("--repeats", type=int, default=None, help="default: 15 (kernel), 5 (decode)")
     p.add_argument("--calls", type=int, default=0, help="kernel A/B: only this many calls each")
+    p.add_argument("--twin", action="store_true", help="kernel A/B: also each one's error")
     p.add_argument("--random-weights", metavar="CONFIG_JSON", help="decode A/B of this model")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     p.add_argument("--tokens", type=int, default=32)

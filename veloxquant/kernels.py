@@ -20,6 +20,7 @@ The dialect (what a body may use besides plain C arithmetic):
     VQ_GLOBAL           address space of device buffers in casts (`const VQ_GLOBAL uint32_t*`)
     VQ_BARRIER()        threadgroup barrier (with threadgroup memory ordering)
     VQ_UNROLL           full unroll of the next loop (its bounds must be constants)
+    VQ_UNROLL_BY(n)     unroll the next loop n iterations at a time
     VQ_F2(a, b), VQ_F4  float2 / float4 constructors (members .x .y .z .w on both backends)
     vq_simd_sum/max(x)  reductions over the 32 lanes of a SIMD group (all lanes take part)
     vq_exp2, VQ_FMAX, VQ_FMIN, VQ_SINCOS(x, s, c) (accurate), VQ_FAST_SINCOS (small angles)
@@ -59,6 +60,8 @@ typedef unsigned int uint;
 #define VQ_FN __device__ inline
 #define VQ_BARRIER() __syncthreads()
 #define VQ_UNROLL _Pragma("unroll")
+#define VQ_PRAGMA(x) _Pragma(#x)
+#define VQ_UNROLL_BY(n) VQ_PRAGMA(unroll n)
 #define VQ_F2(a, b) make_float2((a), (b))
 #define VQ_F4(a, b, c, d) make_float4((a), (b), (c), (d))
 #define VQ_FMAX(a, b) fmaxf((a), (b))
@@ -92,6 +95,8 @@ using namespace metal;
 #define VQ_FN inline
 #define VQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define VQ_UNROLL _Pragma("clang loop unroll(full)")
+#define VQ_PRAGMA(x) _Pragma(#x)
+#define VQ_UNROLL_BY(n) VQ_PRAGMA(clang loop unroll_count(n))
 #define VQ_F2(a, b) float2((a), (b))
 #define VQ_F4(a, b, c, d) float4((a), (b), (c), (d))
 #define VQ_FMAX(a, b) metal::fmax((a), (b))

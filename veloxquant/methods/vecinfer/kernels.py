@@ -72,6 +72,8 @@ THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 # Coded tokens each thread scores per tile: the query's transformed sub-vectors and phase
 # coefficients are read from threadgroup memory once for all of them.
 TOKENS_PER_THREAD = 4
+# Value codes each thread has in flight while it accumulates the previous ones.
+VALUE_PREFETCH = 8
 _VEC = {1: "float", 2: "float2", 4: "float4"}
 _WORDS = {1: "uint32_t", 2: "uint2", 4: "uint4"}  # key code row loads, by 32-bit words
 
@@ -351,8 +353,10 @@ _PARTIAL_BODY = (
       }
       if (CENTER) {
         // phase: Re(W_j * e^{i theta_j (t - tile)}), the offset rotation from the table for
-        // the thread's first token and by one step for the next ones
-        VQ_UNROLL
+        // the thread's first token and by one step for the next ones. Unrolled a few pairs at
+        // a time, not all P: fully unrolled, this loop alone was thousands of instructions and
+        // the warps stalled on instruction fetch.
+        VQ_UNROLL_BY(4)
         for (int j = 0; j < P; ++j) {
           float2 z = etab[j * (TILE + 1) + (int)vq_tid];
           const float2 st = etab[j * (TILE + 1) + TILE];
@@ -365,7 +369,8 @@ _PARTIAL_BODY = (
             for (int g = 0; g < G; ++g) {
               const float wr = vq_comp(wv[(2 * g) / 4], (2 * g) % 4);
               const float wi = vq_comp(wv[(2 * g + 1) / 4], (2 * g + 1) % 4);
-              s[r][g] += wr * z.x - wi * z.y;
+              s[r][g] += wr * z.x;  // two fused multiply-adds
+              s[r][g] -= wi * z.y;
             }
             if (r + 1 < R) z = VQ_F2(z.x * st.x - z.y * st.y, z.x * st.y + z.y * st.x);
           }
@@ -390,20 +395,47 @@ _PARTIAL_BODY = (
       }
       const int tile_len = min(TILE * R, t_end - tile);
       const int vbit = mv * VB;
-      for (int tl = tg; tl < tile_len; tl += TG) {
-        const int row = (h * cap + tile + tl) * VW;
-        uint32_t c = vwords[row + (vbit >> 5)] >> (vbit & 31);
-        if ((vbit & 31) + VB > 32) c |= vwords[row + (vbit >> 5) + 1] << (32 - (vbit & 31));
-        c &= (uint32_t)(VCODES - 1);
-        const VVEC cv = s_vb[(int)c * VREP + vrep];
-        float4 pv[GP / 4];
+      const int vsh = vbit & 31;
+      const bool vcross = VCROSS && vsh + VB > 32;  // a code split over two words
+      const VQ_GLOBAL uint32_t* vcol = vwords + (h * cap + tile) * VW + (vbit >> 5);
+      // this thread's tokens tg, tg + TG, ...: their code words are loaded VPF tokens at a
+      // time, one batch ahead of the batch being accumulated (the loads' latency, not the
+      // arithmetic, bounded this loop when each load was consumed by the next instructions)
+      uint32_t cw[VPF], cw2[VPF];
+      VQ_UNROLL
+      for (int u = 0; u < VPF; ++u) {
+        const int tl = tg + u * TG;
+        cw[u] = tl < tile_len ? vcol[tl * VW] : 0u;
+        cw2[u] = vcross && tl < tile_len ? vcol[tl * VW + 1] : 0u;
+      }
+      for (int tb = tg; tb < tile_len; tb += VPF * TG) {
+        uint32_t nw[VPF], nw2[VPF];
         VQ_UNROLL
-        for (int k = 0; k < GP / 4; ++k) pv[k] = s_p4[tl * (GP / 4) + k];
+        for (int u = 0; u < VPF; ++u) {
+          const int tl = tb + (VPF + u) * TG;
+          nw[u] = tl < tile_len ? vcol[tl * VW] : 0u;
+          nw2[u] = vcross && tl < tile_len ? vcol[tl * VW + 1] : 0u;
+        }
         VQ_UNROLL
-        for (int g = 0; g < G; ++g) {
-          const float p = vq_comp(pv[g / 4], g % 4);
-          VQ_UNROLL
-          for (int i = 0; i < VD; ++i) acc[g][i] += p * vq_comp(cv, i);
+        for (int u = 0; u < VPF; ++u) {
+          const int tl = tb + u * TG;
+          if (tl < tile_len) {
+            uint32_t c = cw[u] >> vsh;
+            if (vcross) c |= cw2[u] << (32 - vsh);
+            c &= (uint32_t)(VCODES - 1);
+            const VVEC cv = s_vb[(int)c * VREP + vrep];
+            float4 pv[GP / 4];
+            VQ_UNROLL
+            for (int k = 0; k < GP / 4; ++k) pv[k] = s_p4[tl * (GP / 4) + k];
+            VQ_UNROLL
+            for (int g = 0; g < G; ++g) {
+              const float p = vq_comp(pv[g / 4], g % 4);
+              VQ_UNROLL
+              for (int i = 0; i < VD; ++i) acc[g][i] += p * vq_comp(cv, i);
+            }
+          }
+          cw[u] = nw[u];
+          cw2[u] = nw2[u];
         }
       }
       VQ_BARRIER();
@@ -801,6 +833,8 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
         "KLV": klv,
         "KLVEC": _WORDS[klv],
         "VVEC": _VEC[lay.value_sub_dim],
+        "VPF": VALUE_PREFETCH,
+        "VCROSS": 32 % lay.value_bits != 0,
     }
 
 
