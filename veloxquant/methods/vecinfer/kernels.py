@@ -276,7 +276,9 @@ _PARTIAL_BODY = (
     VQ_BARRIER();
 
     // key code rows read KLV words at a time (16-byte loads when rows are whole 16 bytes: a
-    // quarter of the load instructions and L1 wavefronts of 32-bit loads)
+    // quarter of the load instructions and L1 wavefronts of 32-bit loads). Aligned because a
+    // row is a whole number of KLV words and the buffer starts on a row: MLX allocations are
+    // 256-byte aligned above 8 bytes, and the cache's buffers are never byte-offset views.
     const VQ_GLOBAL KLVEC* kvecs = reinterpret_cast<const VQ_GLOBAL KLVEC*>(key_codes);
     const VQ_GLOBAL uint32_t* vwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(value_codes);
     const VQ_GLOBAL float2* etab = reinterpret_cast<const VQ_GLOBAL float2*>(phase_table);
