@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from veloxquant.io import atomic_path, write_bytes_atomic
 from veloxquant.kernels import CUDA_TYPES, METAL_ATTRIBUTES, METAL_TYPES, KernelSource
 
 CXX = shutil.which("g++")
@@ -191,10 +192,7 @@ def _shim_dir() -> Path:
     for name, text in files.items():
         path = root / name
         if not path.exists() or path.read_text() != text:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, path)  # another worker may be compiling against it
+            write_bytes_atomic(path, text.encode())  # another worker may be compiling with it
     return root
 
 
@@ -238,20 +236,19 @@ def build(source: KernelSource, backend: str, in_types: list[str], out_types: li
     digest = hashlib.sha1(tu.encode()).hexdigest()[:16]
     lib = _CACHE / f"{source.name}_{backend}_{digest}.so"
     if not lib.exists():
-        # pytest-xdist workers may build the same library at once: each writes its own
-        # files and the last rename wins (the same bytes), so none loads a half-written one
-        src = lib.with_suffix(f".{os.getpid()}.cpp")
-        tmp = f"{lib}.{os.getpid()}.tmp"
-        src.parent.mkdir(parents=True, exist_ok=True)
-        src.write_text(tu)
-        cmd = [CXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread"]
-        cmd += ["-I", str(_shim_dir()), "-o", tmp, str(src)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(
-                f"{backend} source of {source.name} failed to compile:\n{res.stderr}"
-            )
-        os.replace(tmp, lib)
+        # pytest-xdist workers may build the same library at once: each writes through its
+        # own temp file and the last rename wins (the same bytes), so none reads or loads a
+        # half-written one
+        src = lib.with_suffix(".cpp")
+        write_bytes_atomic(src, tu.encode())
+        with atomic_path(lib) as tmp:
+            cmd = [CXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread"]
+            cmd += ["-I", str(_shim_dir()), "-o", str(tmp), str(src)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(
+                    f"{backend} source of {source.name} failed to compile:\n{res.stderr}"
+                )
     return ctypes.CDLL(str(lib))
 
 
