@@ -16,6 +16,12 @@ comes from a profiler, with `--calls` so that it sees only a few launches of eac
     ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
         -k regex:attn_partial python benchmarks/ab_kernel_revisions.py --baseline ... --calls 3
 
+With `--steps`, each call is a whole fused decode step of a cache whose window is full
+(`update_and_fetch` + `fused_attention`: the partial launch, then the combine that also encodes
+the token leaving the window and writes the cache in place), each revision on its own cache set
+built from the same seeds; it prints the largest output difference and whether the two wrote
+the same codes, then the timings. Profile the second launch with `-k regex:attn_combine`.
+
 With `--random-weights`, tokens/s through mlx-lm's `generate_step`: fp16 `KVCache`, VecInfer
 fused with this tree's kernels and with the baseline's, the two VecInfer arms on one cache set.
 The baseline file must keep this tree's function names (it is imported as a module of its own).
@@ -34,6 +40,7 @@ import mlx.core as mx
 import veloxquant.methods.vecinfer as vecinfer
 from veloxquant.methods.vecinfer import kernels as current
 from _common import fmt
+from bench_kernels import time_arms
 
 
 def load_baseline(path: str):
@@ -45,7 +52,7 @@ def load_baseline(path: str):
 
 
 def kernel_ab(args, baseline) -> None:
-    from bench_kernels import decode_inputs, time_arms
+    from bench_kernels import decode_inputs
 
     h, g, d, layers, sets = 8, 4, 128, 32, 4
     scale = 1 / math.sqrt(d)
@@ -90,6 +97,71 @@ def kernel_ab(args, baseline) -> None:
         print(f"  baseline / this tree: {fmt(ratio, unit='x')}")
 
 
+def step_ab(args, baseline) -> None:
+    from bench_generate import DEFAULT_SINKS, DEFAULT_WINDOW
+    from bench_kernels import rope_for, synthetic_cache
+
+    h, g, d, layers, sets = 8, 4, 128, 32, 4
+    scale = 1 / math.sqrt(d)
+    revisions = {"baseline": baseline, "this tree": current}
+    for n in args.contexts:
+        caches = {}
+        for name in revisions:
+            caches[name] = []
+            for i in range(sets):
+                c = synthetic_cache(
+                    h, d, n - DEFAULT_SINKS - DEFAULT_WINDOW, rope=rope_for(d), seed=i,
+                    value=(8, 4), shared_value_books=True, window=DEFAULT_WINDOW,
+                    sinks=DEFAULT_SINKS,
+                )  # fmt: skip
+                c.fused = True
+                caches[name].append(c)
+        mx.random.seed(1)
+        qs = [(mx.random.normal((1, h * g, 1, d)) * 2).astype(mx.bfloat16) for _ in range(layers)]
+        news = [mx.random.normal((2, 1, h, 1, d)).astype(mx.bfloat16) for _ in range(layers)]
+        mx.eval(qs, news, [c.state for cs in caches.values() for c in cs])
+
+        def arm(name, n_layers=layers, caches=caches, qs=qs, news=news):
+            def run():
+                vecinfer.kernels = revisions[name]
+                outs = []
+                for i in range(n_layers):
+                    c = caches[name][i % sets]
+                    c.update_and_fetch(news[i][0], news[i][1])
+                    outs.append(c.fused_attention(qs[i], scale))
+                mx.eval(outs)
+                return outs
+
+            return run
+
+        first = {name: arm(name, sets)() for name in revisions}  # one step of each cache
+        diff = max(
+            mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+            for a, b in zip(first["baseline"], first["this tree"], strict=True)
+        )
+        same = all(
+            mx.array_equal(a._kbuf, b._kbuf).item() and mx.array_equal(a._vbuf, b._vbuf).item()
+            for a, b in zip(caches["baseline"], caches["this tree"], strict=True)
+        )
+        paths = {c.last_attention for cs in caches.values() for c in cs}
+        print(
+            f"context {n}: one step per cache, max |this tree - baseline| {diff:.3g}, "
+            f"same codes written: {same}, attention {paths}"
+        )
+        if args.calls:
+            for name in revisions:
+                for _ in range(args.calls):
+                    arm(name, 1)()
+            continue
+        times = time_arms({name: arm(name) for name in revisions}, args.repeats)
+        vecinfer.kernels = current
+        for k, v in times.items():
+            print(f"  {k:<9} {fmt([t / layers for t in v], 1e6, ' us')} per layer step")
+        ratio = [a / b for a, b in zip(times["baseline"], times["this tree"], strict=True)]
+        print(f"  baseline / this tree: {fmt(ratio, unit='x')}")
+    vecinfer.kernels = current
+
+
 def decode_ab(args, baseline) -> None:
     from _common import random_weights_model
     from bench_generate import fp16_and_fused_caches, interleaved_decode, print_decode
@@ -125,6 +197,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None, help="default: 15 (kernel), 5 (decode)")
     p.add_argument("--calls", type=int, default=0, help="kernel A/B: only this many calls each")
     p.add_argument("--twin", action="store_true", help="kernel A/B: also each one's error")
+    p.add_argument("--steps", action="store_true", help="kernel A/B of whole cache steps")
     p.add_argument("--random-weights", metavar="CONFIG_JSON", help="decode A/B of this model")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     p.add_argument("--tokens", type=int, default=32)
@@ -134,6 +207,9 @@ def main() -> None:
     if args.random_weights:
         args.repeats = args.repeats or 5
         decode_ab(args, baseline)
+    elif args.steps:
+        args.repeats = args.repeats or 15
+        step_ab(args, baseline)
     else:
         args.repeats = args.repeats or 15
         kernel_ab(args, baseline)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -520,9 +521,19 @@ _COMBINE_MAIN = """
   const int hq = (int)vq_gx;
   const int h = hq / G;
   const int d = (int)vq_tid;
-  float M = NEG;
-  for (int s = 0; s <= n_splits; ++s) M = VQ_FMAX(M, part_m[s * HQ + hq]);
+  // the splits' largest max, by every thread at once (a serial pass over the splits' maxima
+  // was a chain of dependent loads); then the merge, unrolled so that several splits' loads
+  // are in flight at once (the order of its sums is that of one pass)
+  float mloc = NEG;
+  for (int s = d; s <= n_splits; s += D) mloc = VQ_FMAX(mloc, part_m[s * HQ + hq]);
+  mloc = vq_simd_max(mloc);
+  if (vq_lane == 0) s_x[vq_warp] = mloc;
+  VQ_BARRIER();
+  float M = s_x[0];
+  for (int w = 1; w < D / 32; ++w) M = VQ_FMAX(M, s_x[w]);
+  VQ_BARRIER();
   float acc = 0.0f, lc = 0.0f;
+  VQ_UNROLL_BY(8)
   for (int s = 0; s < n_splits; ++s) {
     const float w = vq_exp2(part_m[s * HQ + hq] - M);
     acc += w * part_o[(s * HQ + hq) * D + d];
@@ -550,6 +561,54 @@ _COMBINE_MAIN = """
   out[hq * D + d] = static_cast<OUT_T>((v + of) / (lc + lf));
 """
 
+# The nearest codeword of each of the NM sub-vectors of s_x (NSD dims each) into s_code: NS
+# threads per sub-vector each scan a contiguous NCODES / NS of the codes, then the first of
+# their candidates with the least distance wins, which is the code one thread scanning all of
+# them finds (kmeans.nearest's first index on ties). One thread per sub-vector scanning every
+# code was the encoder's critical path, with most of the threadgroup idle.
+_NEAREST = """
+  if (d < NM * NS) {
+    const int m = d / NS;
+    const int c0 = (d % NS) * (NCODES / NS);
+    float xs[NSD];
+    VQ_UNROLL
+    for (int i = 0; i < NSD; ++i) xs[i] = s_x[m * NSD + i];
+    float best = 3.0e38f;
+    uint arg = 0;
+    for (int c = c0; c < c0 + NCODES / NS; ++c) {
+      float cc = 0.0f;
+      float dot = 0.0f;
+      VQ_UNROLL
+      for (int i = 0; i < NSD; ++i) {
+        const float ci = s_book[c * NSD + i];
+        cc += ci * ci;
+        dot += xs[i] * (-2.0f * ci);
+      }
+      const float dist = dot + cc;
+      if (dist < best) { best = dist; arg = (uint)c; }
+    }
+    s_best[d] = best;
+    s_arg[d] = arg;
+  }
+  VQ_BARRIER();
+  if (d < NM) {
+    float best = s_best[d * NS];
+    uint arg = s_arg[d * NS];
+    for (int p = 1; p < NS; ++p) {
+      if (s_best[d * NS + p] < best) { best = s_best[d * NS + p]; arg = s_arg[d * NS + p]; }
+    }
+    s_code[d] = arg;
+  }
+  VQ_BARRIER();
+"""
+
+
+def _nearest(side: str) -> str:
+    """_NEAREST for the key ("K") or value ("V") codebook's constants."""
+    names = {"NM": side + "M", "NSD": side + "D", "NS": side + "S", "NCODES": side + "CODES"}
+    return re.sub(r"\b(NM|NSD|NS|NCODES)\b", lambda m: names[m.group(1)], _NEAREST)
+
+
 # The encoder's threadgroup arrays (at function scope, as Metal requires) and its statements;
 # EP is where its four parameters start in iparams, ENC_TOKEN / ENC_HEAD which (token, KV head)
 # a threadgroup encodes: the grid's x / y in the encoder alone, and the threadgroups after the
@@ -558,9 +617,12 @@ _ENCODE_SHARED = """
   VQ_SHARED float s_x[D];
   VQ_SHARED uint s_code[KM > VM ? KM : VM];
   VQ_SHARED float s_book[(KCODES * KD > VCODES * VD ? KCODES * KD : VCODES * VD)];
+  VQ_SHARED float s_best[D];
+  VQ_SHARED uint s_arg[D];
 """
 
-_ENCODE_MAIN = """
+_ENCODE_MAIN = (
+    """
   const int n = iparams[EP];          // tokens to encode
   const int first = iparams[EP + 1];  // their index in the input rows
   const int rows = iparams[EP + 2];   // rows (tokens) per head in the inputs
@@ -605,28 +667,9 @@ _ENCODE_MAIN = """
     s_x[d] *= INV_SQRT_D;
     VQ_BARRIER();
   }
-  if (d < KM) {
-    float xs[KD];
-    VQ_UNROLL
-    for (int i = 0; i < KD; ++i) xs[i] = s_x[d * KD + i];
-    float best = 3.0e38f;
-    uint arg = 0;
-    for (int c = 0; c < KCODES; ++c) {
-      float cc = 0.0f;
-      float dot = 0.0f;
-      VQ_UNROLL
-      for (int i = 0; i < KD; ++i) {
-        const float ci = s_book[c * KD + i];
-        cc += ci * ci;
-        dot += xs[i] * (-2.0f * ci);
-      }
-      const float dist = dot + cc;
-      if (dist < best) { best = dist; arg = (uint)c; }
-    }
-    s_code[d] = arg;
-  }
-  VQ_BARRIER();
-  for (int b = d; b < KBYTES; b += D) {
+"""
+    + _nearest("K")
+    + """  for (int b = d; b < KBYTES; b += D) {
     uint byte = 0;
     for (int k = 0; k < 8; ++k) {
       const int p = 8 * b + k;
@@ -660,28 +703,9 @@ _ENCODE_MAIN = """
     s_x[d] *= INV_SQRT_D;
     VQ_BARRIER();
   }
-  if (d < VM) {
-    float xs[VD];
-    VQ_UNROLL
-    for (int i = 0; i < VD; ++i) xs[i] = s_x[d * VD + i];
-    float best = 3.0e38f;
-    uint arg = 0;
-    for (int c = 0; c < VCODES; ++c) {
-      float cc = 0.0f;
-      float dot = 0.0f;
-      VQ_UNROLL
-      for (int i = 0; i < VD; ++i) {
-        const float ci = s_book[c * VD + i];
-        cc += ci * ci;
-        dot += xs[i] * (-2.0f * ci);
-      }
-      const float dist = dot + cc;
-      if (dist < best) { best = dist; arg = (uint)c; }
-    }
-    s_code[d] = arg;
-  }
-  VQ_BARRIER();
-  for (int b = d; b < VBYTES; b += D) {
+"""
+    + _nearest("V")
+    + """  for (int b = d; b < VBYTES; b += D) {
     uint byte = 0;
     for (int k = 0; k < 8; ++k) {
       const int p = 8 * b + k;
@@ -690,6 +714,7 @@ _ENCODE_MAIN = """
     VALUE_DST[CODE_ROW * VBYTES + b] = (uint8_t)byte;
   }
 """
+)
 
 # Component i of a float / float2 / float4 (i a constant after unrolling).
 _HELPERS = """
@@ -735,6 +760,9 @@ def _common_constants(lay: Layout) -> dict[str, Any]:
         "VD": lay.value_sub_dim,
         "VM": d // lay.value_sub_dim,
         "VCODES": 1 << lay.value_bits,
+        # the encoder's threads per sub-vector in its nearest-codeword search
+        "KS": min(lay.key_sub_dim, 1 << lay.key_bits),
+        "VS": min(lay.value_sub_dim, 1 << lay.value_bits),
         "VBYTES": lay.value_bytes,
         "VW": lay.value_bytes // 4,
         "KBOOKS": lay.key_books,
@@ -801,7 +829,7 @@ def encode_threadgroup_bytes(lay: Layout) -> int:
     d = lay.head_dim
     km, vm = d // lay.key_sub_dim, d // lay.value_sub_dim
     book = max((1 << lay.key_bits) * lay.key_sub_dim, (1 << lay.value_bits) * lay.value_sub_dim)
-    return 4 * (d + max(km, vm) + book)
+    return 4 * (d + max(km, vm) + book + 2 * d)
 
 
 def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
