@@ -51,6 +51,16 @@ def load_baseline(path: str):
     return module
 
 
+def switch(module, caches) -> None:
+    """Make `module` the kernels of `caches`: a cache memoises its layout and launch constants
+    by the revision that built them (`_kernel_memo`), and another revision's may lack a key."""
+    vecinfer.kernels = module
+    for c in caches:
+        if c.__dict__.get("_ab_revision") is not module:
+            c.__dict__.pop("_kernel_memo", None)
+            c._ab_revision = module
+
+
 def kernel_ab(args, baseline) -> None:
     from bench_kernels import decode_inputs
 
@@ -61,6 +71,7 @@ def kernel_ab(args, baseline) -> None:
         caches, qs, pend = decode_inputs(n, sets, layers, h, g, d)
         outs = {}
         for name, K in revisions.items():
+            switch(K, caches)
             outs[name] = K.decode_attention(caches[0], qs[0], scale, pend[0])[0]
             partial = K.attention_kernel_sources(K.layout_of(caches[0], h * g), mx.bfloat16)[0]
             print(f"context {n}: {name} partial kernel {partial.kernel_name}")
@@ -76,12 +87,14 @@ def kernel_ab(args, baseline) -> None:
                 print(f"context {n}: max |{name} - twin| {err:.3g}")
         if args.calls:
             for K in revisions.values():
+                switch(K, caches)
                 for _ in range(args.calls):
                     mx.eval(K.decode_attention(caches[1], qs[1], scale, pend[1])[0])
             continue
 
         def arm(K, caches=caches, qs=qs, pend=pend):
             def run():
+                switch(K, caches)
                 outs = [
                     K.decode_attention(caches[i % sets], qs[i], scale, pend[i % sets])[0]
                     for i in range(layers)
@@ -166,9 +179,9 @@ def decode_ab(args, baseline) -> None:
     from _common import random_weights_model
     from bench_generate import fp16_and_fused_caches, interleaved_decode, print_decode
 
-    def use_kernels(module):
+    def use_kernels(module, caches):
         def select():
-            vecinfer.kernels = module
+            switch(module, caches)
 
         return select
 
@@ -178,9 +191,9 @@ def decode_ab(args, baseline) -> None:
         fp, vq = fp16_and_fused_caches(model, ctx)
         # the cache looks its kernels module up on the package at every call
         arms = {
-            "fp16": (fp, use_kernels(current)),
-            "this tree": (vq, use_kernels(current)),
-            "baseline": (vq, use_kernels(baseline)),
+            "fp16": (fp, use_kernels(current, [])),
+            "this tree": (vq, use_kernels(current, vq)),
+            "baseline": (vq, use_kernels(baseline, vq)),
         }
         result = interleaved_decode(model, arms, token, args.repeats, args.tokens)
         vecinfer.kernels = current

@@ -427,7 +427,7 @@ def test_layouts_over_the_threadgroup_limit_are_refused(monkeypatch):
     # 4096 four-dim key codewords: a 64 KB codebook, copies of it in the partial kernel
     lay = _layout(key_sub_dim=4, key_bits=12)
     assert not takes(lay, "cuda") and not takes(lay, "metal")
-    assert "partial attention kernel needs 88176 B" in lay.unsupported("cuda")
+    assert "partial attention kernel needs 88272 B" in lay.unsupported("cuda")
     assert K.encode_threadgroup_bytes(lay) > 65536
 
 
@@ -565,6 +565,26 @@ def test_layer_constants_are_the_caches_and_a_state_load_forgets_them(
     other = caches[4]  # another layer's arrays, loaded into this cache: nothing stale is kept
     c.state = other.state
     assert K.layer_constants(c, 4)["key_mean"] is c.key_mean is not const["key_mean"]
+
+
+@pytest.mark.parametrize("base, head_dim", [(500000.0, 128), (100000.0, 64), (10000.0, 128)])
+def test_slow_rope_pairs_go_to_the_phase_polynomial(base, head_dim):
+    # the partial kernel sums pairs exact_pairs.. as a polynomial: exactly the trailing pairs
+    # whose angle turns by at most PHASE_TAYLOR_ANGLE over a tile, so its error stays bounded
+    import mlx.nn as nn
+
+    from veloxquant.rope import RopeSpec
+
+    rope = RopeSpec.from_module(nn.RoPE(head_dim, base=base), head_dim)
+    turn = K.rope_inv_freq(rope, head_dim).astype(np.float64) * (K.TILE * 4 - 1)
+    n = K.exact_pairs(rope, head_dim, 4)
+    assert 0 < n < head_dim // 2  # some pairs each way at these bases
+    assert (turn[n:] <= K.PHASE_TAYLOR_ANGLE).all() and turn[n - 1] > K.PHASE_TAYLOR_ANGLE
+    assert K.exact_pairs(rope, head_dim, 1) <= n  # shorter tiles: no more exact pairs
+    assert K.exact_pairs(None, head_dim, 4) == head_dim // 2
+    # the truncation bound the constants promise
+    order = K.PHASE_TAYLOR_ORDER
+    assert K.PHASE_TAYLOR_ANGLE ** (order + 1) / math.factorial(order + 1) <= 1.1e-6
 
 
 def test_launch_constants_are_built_once():

@@ -75,6 +75,12 @@ THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 TOKENS_PER_THREAD = 4
 # Value codes each thread has in flight while it accumulates the previous ones.
 VALUE_PREFETCH = 8
+# The RoPE phase of the key mean: pairs whose angle turns by at most PHASE_TAYLOR_ANGLE over a
+# tile (the slow, low-frequency ones: a third of Llama-3's 64) are summed as one polynomial of
+# this order in the token's offset instead of term by term; the truncation error,
+# angle^(order+1) / (order+1)!, is 1e-6 of the pairs' coefficients.
+PHASE_TAYLOR_ORDER = 5
+PHASE_TAYLOR_ANGLE = 0.3
 _VEC = {1: "float", 2: "float2", 4: "float4"}
 _WORDS = {1: "uint32_t", 2: "uint2", 4: "uint4"}  # key code row loads, by 32-bit words
 
@@ -210,6 +216,7 @@ _PARTIAL_BODY = (
   const int wcap = iparams[7];       // token capacity of the window buffers
   const float qscale = fparams[0];   // attention scale * log2(e)
   const float rscale = fparams[1];   // RoPE position scale
+  const int p_exact = iparams[PHASE_PARAM];  // RoPE pairs whose phase is summed term by term
   const int h = (int)vq_gy;
   const int split = (int)vq_gx;
   const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;
@@ -217,6 +224,7 @@ _PARTIAL_BODY = (
   VQ_SHARED float s_q[G * D];            // scaled queries
   VQ_SHARED float4 s_qt[KM * QS / 4];    // q~ per key sub-space m: [m][g][i], padded to QS
   VQ_SHARED float4 s_w[CENTER ? P * WS / 4 : 1];  // phase coefficients at the tile start
+  VQ_SHARED float s_tay[CENTER ? G * NTAY : 1];    // the slow pairs' phase polynomial per head
   VQ_SHARED float s_red[NWARPS * G];
   VQ_SHARED float s_mrun[G];
   VQ_SHARED float s_lrun[G];
@@ -315,6 +323,34 @@ _PARTIAL_BODY = (
           s_wf[j * WS + 2 * g + 1] = wr * sn + wi * cs;
         }
         VQ_BARRIER();
+        if (p_exact < P) {
+          // pairs p_exact.. turn by at most PHASE_TAYLOR_ANGLE over a tile: their summed phase
+          // Re(sum_j W_j e^{i d phi_j}) at offset d is the polynomial sum_k c_k d^k, with
+          // c_k = Re(sum_j W_j (i phi_j)^k / k!) (truncation error below 1e-6 of sum_j |W_j|)
+          for (int g = (int)vq_warp; g < G; g += NWARPS) {
+            float c[NTAY];
+            VQ_UNROLL
+            for (int k = 0; k < NTAY; ++k) c[k] = 0.0f;
+            for (int j = p_exact + (int)vq_lane; j < P; j += 32) {
+              const float ph = rscale * inv_freq[j];
+              const float wr = s_wf[j * WS + 2 * g], wi = s_wf[j * WS + 2 * g + 1];
+              float pw = 1.0f;  // phi^k / k!
+              VQ_UNROLL
+              for (int k = 0; k < NTAY; ++k) {
+                // i^k W: real part wr, -wi, -wr, wi for k = 0, 1, 2, 3 (mod 4)
+                const float part = (k % 2 == 0) ? wr : wi;
+                c[k] += ((k % 4 == 1 || k % 4 == 2) ? -part : part) * pw;
+                pw *= ph / (float)(k + 1);
+              }
+            }
+            VQ_UNROLL
+            for (int k = 0; k < NTAY; ++k) {
+              const float ck = vq_simd_sum(c[k]);
+              if (vq_lane == 0) s_tay[g * NTAY + k] = ck;
+            }
+          }
+          VQ_BARRIER();
+        }
       }
       // this thread's R consecutive tokens
       const int t0 = tile + (int)vq_tid * R;
@@ -360,7 +396,7 @@ _PARTIAL_BODY = (
         // a time, not all P: fully unrolled, this loop alone was thousands of instructions and
         // the warps stalled on instruction fetch.
         VQ_UNROLL_BY(4)
-        for (int j = 0; j < P; ++j) {
+        for (int j = 0; j < p_exact; ++j) {
           float2 z = etab[j * (TILE + 1) + (int)vq_tid];
           const float2 st = etab[j * (TILE + 1) + TILE];
           float4 wv[WS / 4];
@@ -376,6 +412,19 @@ _PARTIAL_BODY = (
               s[r][g] -= wi * z.y;
             }
             if (r + 1 < R) z = VQ_F2(z.x * st.x - z.y * st.y, z.x * st.y + z.y * st.x);
+          }
+        }
+        if (p_exact < P) {
+          VQ_UNROLL
+          for (int g = 0; g < G; ++g) {
+            VQ_UNROLL
+            for (int r = 0; r < R; ++r) {
+              const float dl = (float)((int)vq_tid * R + r);
+              float v = s_tay[g * NTAY + NTAY - 1];
+              VQ_UNROLL
+              for (int k = NTAY - 2; k >= 0; --k) v = v * dl + s_tay[g * NTAY + k];
+              s[r][g] += v;
+            }
           }
         }
       }
@@ -820,7 +869,7 @@ def threadgroup_bytes(lay: Layout, r: int) -> int:
     """Threadgroup memory of the partial kernel (Apple GPUs allow 32 KB)."""
     c = _partial_constants(lay, r)
     floats = lay.group * lay.head_dim + c["KM"] * c["QS"] + c["P"] * c["WS"] + c["PBUF"]
-    floats += 4 * c["BIG4"] + 3 * lay.group + c["NWARPS"] * lay.group
+    floats += 4 * c["BIG4"] + 3 * lay.group + c["NWARPS"] * lay.group + lay.group * c["NTAY"]
     return 4 * floats + c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4
 
 
@@ -864,6 +913,8 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
         "KLVEC": _WORDS[klv],
         "VVEC": _VEC[lay.value_sub_dim],
         "VPF": VALUE_PREFETCH,
+        "NTAY": PHASE_TAYLOR_ORDER + 1,
+        "PHASE_PARAM": PHASE_PARAM,
         "VCROSS": 32 % lay.value_bits != 0,
     }
 
@@ -1026,6 +1077,8 @@ PARAMS = 16  # int32 slots of iparams (>= 8 elements, see veloxquant.kernels.lau
 # Where the encoder's four parameters start in a decode step's iparams (slots 0-7 are the
 # attention's), so that one array serves the partial and the combine with the encoder.
 ENCODE_PARAM = 8
+# Where the partial kernel finds how many RoPE pairs it sums term by term (`exact_pairs`).
+PHASE_PARAM = 12
 # Whether a decode step's combine launch writes the leaving token's codes and the new token
 # into the cache's buffers itself (the default: the step is its two launches and nothing else)
 # or returns the codes for the cache to append with slice updates, the new token going into
@@ -1055,6 +1108,7 @@ def layer_constants(cache: Any, r: int) -> dict[str, Any]:
             "inv_freq": inv_freq,
             "table": table,
             "rscale": rscale,
+            "exact_pairs": exact_pairs(cache.rope, int(cache.smooth.shape[1]), r),
             "key_mean": fill if cache.key_mean is None else cache.key_mean,
             "value_smooth": fill if cache.value_smooth is None else cache.value_smooth,
             "value_mean": fill if cache.value_mean is None else cache.value_mean,
@@ -1103,6 +1157,20 @@ def _layout(cache: Any, n_q_heads: int) -> Layout:
         value_smooth=cache.value_smooth is not None,
         rope_traditional=bool(cache.rope.traditional) if cache.rope is not None else False,
     )
+
+
+def exact_pairs(rope: RopeSpec | None, head_dim: int, r: int) -> int:
+    """How many RoPE pairs (from the first) the partial kernel sums term by term: all but the
+    trailing ones whose angle turns by at most PHASE_TAYLOR_ANGLE over a tile of TILE·r
+    tokens, which it sums as one polynomial."""
+    pairs = head_dim // 2
+    if rope is None:
+        return pairs
+    turn = float(rope.scale) * rope_inv_freq(rope, head_dim).astype(np.float64) * (TILE * r - 1)
+    n = pairs
+    while n > 0 and turn[n - 1] <= PHASE_TAYLOR_ANGLE:
+        n -= 1
+    return n
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
@@ -1218,6 +1286,9 @@ def attention_inputs(
     encode = pending.get("encode")  # (ring slot, position) of the token leaving the window
     if encode is not None:
         iparams += [1, encode[0], int(wk.shape[2]), encode[1]]
+    else:
+        iparams += [0, 0, 0, 0]
+    iparams.append(const["exact_pairs"])  # at PHASE_PARAM
     iparams = _int_params(iparams)
     fparams = _float_params(scale * LOG2E, const["rscale"])
     key_mean, inv_freq = const["key_mean"], const["inv_freq"]
