@@ -16,6 +16,12 @@ For each context and arm:
   not by the GPU, and generate_step's overlap cannot help;
 - peak memory of the filled cache and the step.
 
+With `--bounds`, two more VecInfer arms on caches of their own, whose outputs are wrong and
+whose times are bounds: `no_combine` skips the second launch (the partial's output, cast, stands
+in for the attention; what one launch per layer could at best save) and `no_attention` skips
+both (the query stands in for it; the model's step without attention, which no cache can beat). On
+the CPU fused caches take the pure-MLX twin, which neither swap touches.
+
 With `--profile`, cProfile of the host graph build of a few fused steps (top functions by own
 time).
 
@@ -147,9 +153,46 @@ def decode_arguments(doc: str, contexts: list[int], repeats: int) -> argparse.Ar
     return p
 
 
+def partial_only(a: dict, queries: mx.array) -> tuple[mx.array, None]:
+    """`kernels.launch_attention` without its second launch: the partial's output stands in."""
+    from veloxquant.kernels import launch
+
+    n_q, d = queries.shape[1], queries.shape[3]
+    ns = a["n_splits"] + 1
+    _, _, part_o = launch(
+        a["sources"][0],
+        a["partial"],
+        a["groups"],
+        [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)],
+        [mx.float32] * 3,
+    )
+    return part_o[: n_q * d].reshape(1, n_q, 1, d).astype(queries.dtype), None
+
+
+def bound_arms(model, ctx: int) -> dict:
+    """--bounds' arms: {name: (caches, select)}, select swapping the attention launches."""
+    from veloxquant.methods.vecinfer import kernels
+
+    real = kernels.launch_attention
+
+    def use(fn):
+        def select():
+            kernels.launch_attention = fn
+
+        return select
+
+    arms = {"vecinfer": use(real), "no_combine": use(partial_only)}
+    arms["no_attention"] = use(lambda a, queries: (queries, None))
+    return {
+        n: (default_layout_caches(model, ctx) if n != "vecinfer" else None, f)
+        for n, f in arms.items()
+    }
+
+
 def main() -> None:
     p = decode_arguments(__doc__, contexts=[4096, 16384], repeats=3)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--bounds", action="store_true", help="arms without the combine / attention")
     args = p.parse_args()
 
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
@@ -170,10 +213,15 @@ def main() -> None:
             build_and_step(model, caches, token)
             arms[name], peaks[name] = (caches, lambda: None), mx.get_peak_memory()
         arms = {name: arms[name] for name in ("fp16", "vecinfer")}  # fp16 is the baseline
+        if args.bounds:
+            for name, (caches, select) in bound_arms(model, ctx).items():
+                arms[name] = (caches or arms[name][0], select)
         result = interleaved_decode(model, arms, token, args.repeats, args.tokens)
         print(f"context {ctx}: {args.tokens} generated tokens, {args.repeats} interleaved repeats")
         print_decode(result)
         kv = {name: sum(c.nbytes for c in caches) for name, (caches, _) in arms.items()}
+        if args.bounds:
+            arms["vecinfer"][1]()  # the real launches again
         paths = {c.last_attention for c in arms["vecinfer"][0]}
         gib = 2**30
         print(
