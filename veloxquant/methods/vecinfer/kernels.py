@@ -22,7 +22,8 @@ Decode attention (`attention_kernel_sources`, flash-decoding in two launches):
    of them), then walks its split in tiles of 128 tokens: each thread scores one token from its
    key codes (the key codebook sits in threadgroup memory, replicated per lane when small so
    random codes hit distinct banks) plus the phase term (the tile's start angle exactly, the
-   offset within the tile from a host-built table, so no per-token sin/cos); an online softmax
+   offset within the tile from a host-built table, so no per-token sin/cos; the slow RoPE pairs,
+   which barely turn over a tile, as one polynomial in the offset); an online softmax
    per head; then each thread owns one value sub-space for a stride of the tile's tokens and
    accumulates p·C_v[code] for every head. One extra threadgroup per KV head attends the fp16
    sinks, the fp16 window and the call's own token(s) exactly. Each writes (max, sum, output).
