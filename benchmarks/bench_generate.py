@@ -155,17 +155,10 @@ def decode_arguments(doc: str, contexts: list[int], repeats: int) -> argparse.Ar
 
 def partial_only(a: dict, queries: mx.array) -> tuple[mx.array, None]:
     """`kernels.launch_attention` without its second launch: the partial's output stands in."""
-    from veloxquant.kernels import launch
+    from veloxquant.methods.vecinfer.kernels import launch_partial
 
     n_q, d = queries.shape[1], queries.shape[3]
-    ns = a["n_splits"] + 1
-    _, _, part_o = launch(
-        a["sources"][0],
-        a["partial"],
-        a["groups"],
-        [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)],
-        [mx.float32] * 3,
-    )
+    part_o = launch_partial(a, queries)[2]
     return part_o[: n_q * d].reshape(1, n_q, 1, d).astype(queries.dtype), None
 
 

@@ -1347,6 +1347,22 @@ def decode_attention(
     return launch_attention(attention_inputs(cache, queries, scale, pending), queries)
 
 
+def launch_partial(a: dict, queries: mx.array) -> list[mx.array]:
+    """The first decode-attention launch on inputs from `attention_inputs`: every split's (and
+    the exact threadgroup's) running max, sum and output per query head, float32."""
+    from veloxquant.kernels import launch
+
+    n_q, d = queries.shape[1], queries.shape[3]
+    ns = a["n_splits"] + 1
+    return launch(
+        a["sources"][0],
+        a["partial"],
+        a["groups"],
+        [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)],
+        [mx.float32] * 3,
+    )
+
+
 def launch_attention(
     a: dict, queries: mx.array
 ) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
@@ -1356,16 +1372,8 @@ def launch_attention(
 
     lay = a["layout"]
     n_q, d = queries.shape[1], queries.shape[3]
-    partial, combine = a["sources"]  # the second is the combine with the encoder if a["encode"]
-    ns = a["n_splits"] + 1
-    part_m, part_l, part_o = launch(
-        partial,
-        a["partial"],
-        a["groups"],
-        [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)],
-        [mx.float32] * 3,
-    )
-    parts = [part_m, part_l, part_o, *a["combine_extra"]]
+    combine = a["sources"][1]  # the combine with the encoder if a["encode"]
+    parts = [*launch_partial(a, queries), *a["combine_extra"]]
     if not a["encode"]:
         (out,) = launch(combine, parts, (n_q, 1, 1), [(1, n_q, 1, d)], [queries.dtype])
         return out, None
