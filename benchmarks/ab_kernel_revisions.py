@@ -136,7 +136,7 @@ def step_ab(args, baseline) -> None:
 
         def arm(name, n_layers=layers, caches=caches, qs=qs, news=news):
             def run():
-                vecinfer.kernels = revisions[name]
+                switch(revisions[name], caches[name])
                 outs = []
                 for i in range(n_layers):
                     c = caches[name][i % sets]
