@@ -75,6 +75,9 @@ CONFIGS = {
     "calibrated": {},
     # upstream's uncentred d4b8 Gaussian codebooks, no value transform, a short window
     "uncalibrated-d4b8": {"uncalibrated": True, "window": 8, "sinks": 1},
+    # more exact tokens (sinks, window, the new one) than a tile of the partial kernel: its
+    # exact threadgroup walks them in two tiles
+    "calibrated-long-window": {"window": 140},
 }
 
 

@@ -76,6 +76,11 @@ THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 TOKENS_PER_THREAD = 4
 # Value codes each thread has in flight while it accumulates the previous ones.
 VALUE_PREFETCH = 8
+# Exact tokens (sinks, window, new) a SIMD group scores at a time, and whose values each
+# thread loads before summing them: all their loads in flight at once. Larger key batches timed
+# slower from cold caches (benchmarks/results/exact-tokens-value-loop-h200.txt).
+EXACT_KEY_BATCH = 2
+EXACT_VALUE_BATCH = 16
 # The RoPE phase of the key mean: pairs whose angle turns by at most PHASE_TAYLOR_ANGLE over a
 # tile (the slow, low-frequency ones: a third of Llama-3's 64) are summed as one polynomial of
 # this order in the token's offset instead of term by term; the truncation error,
@@ -204,6 +209,27 @@ _SOFTMAX_TILE = """
       s_lrun[vq_tid] = s_lrun[vq_tid] * s_alpha[vq_tid] + ss;
     }
 """
+
+
+# The partial kernel's value sums: the code of sub-space mv in word W (and W2, the next word,
+# when the code crosses into it), and the contribution of code C for token tl of the tile.
+def _value_code(w: str, w2: str) -> str:
+    return f"(({w} >> vsh) | (vcross ? {w2} << (32 - vsh) : 0u)) & (uint32_t)(VCODES - 1)"
+
+
+def _value_sums(code: str) -> str:
+    return f"""
+            const VVEC cv = vbook[(int)({code}) * VREP];
+            float4 pv[GP / 4];
+            VQ_UNROLL
+            for (int k = 0; k < GP / 4; ++k) pv[k] = s_p4[tl * (GP / 4) + k];
+            VQ_UNROLL
+            for (int g = 0; g < G; ++g) {{
+              const float p = vq_comp(pv[g / 4], g % 4);
+              VQ_UNROLL
+              for (int i = 0; i < VD; ++i) acc[g][i] += p * vq_comp(cv, i);
+            }}"""
+
 
 _PARTIAL_BODY = (
     """
@@ -451,44 +477,68 @@ _PARTIAL_BODY = (
       const int vsh = vbit & 31;
       const bool vcross = VCROSS && vsh + VB > 32;  // a code split over two words
       const VQ_GLOBAL uint32_t* vcol = vwords + (h * cap + tile) * VW + (vbit >> 5);
+      const VQ_TG VVEC* vbook = s_vb + vrep;  // this lane's codebook copy: code c at c * VREP
       // this thread's tokens tg, tg + TG, ...: their code words are loaded VPF tokens at a
       // time, one batch ahead of the batch being accumulated (the loads' latency, not the
       // arithmetic, bounded this loop when each load was consumed by the next instructions)
-      uint32_t cw[VPF], cw2[VPF];
-      VQ_UNROLL
-      for (int u = 0; u < VPF; ++u) {
-        const int tl = tg + u * TG;
-        cw[u] = tl < tile_len ? vcol[tl * VW] : 0u;
-        cw2[u] = vcross && tl < tile_len ? vcol[tl * VW + 1] : 0u;
-      }
-      for (int tb = tg; tb < tile_len; tb += VPF * TG) {
-        uint32_t nw[VPF], nw2[VPF];
+      if (tile_len == TILE * R) {
+        // a whole tile (every tile but a split's last) in straight-line code: no bounds
+        // checks, which had the compiler branch around each token's sums and rebuild their
+        // addresses inside the branch; the last batch's look-ahead reloads the batch (in
+        // bounds)
+        const VQ_GLOBAL uint32_t* vrow = vcol + tg * VW;
+        uint32_t cw[VPF], cw2[VPF];
         VQ_UNROLL
         for (int u = 0; u < VPF; ++u) {
-          const int tl = tb + (VPF + u) * TG;
-          nw[u] = tl < tile_len ? vcol[tl * VW] : 0u;
-          nw2[u] = vcross && tl < tile_len ? vcol[tl * VW + 1] : 0u;
+          cw[u] = vrow[u * TG * VW];
+          cw2[u] = vcross ? vrow[u * TG * VW + 1] : 0u;
         }
+        for (int b = 0; b < R * VM; b += VPF) {
+          // one pointer per batch, so each load is that pointer plus a constant
+          const VQ_GLOBAL uint32_t* vnext = vrow + (b + VPF < R * VM ? b + VPF : b) * TG * VW;
+          uint32_t nw[VPF], nw2[VPF];
+          VQ_UNROLL
+          for (int u = 0; u < VPF; ++u) {
+            nw[u] = vnext[u * TG * VW];
+            nw2[u] = vcross ? vnext[u * TG * VW + 1] : 0u;
+          }
+          VQ_UNROLL
+          for (int u = 0; u < VPF; ++u) {
+            const int tl = tg + (b + u) * TG;
+"""
+    + _value_sums(_value_code("cw[u]", "cw2[u]"))
+    + """
+            cw[u] = nw[u];
+            cw2[u] = nw2[u];
+          }
+        }
+      } else {
+        uint32_t cw[VPF], cw2[VPF];
         VQ_UNROLL
         for (int u = 0; u < VPF; ++u) {
-          const int tl = tb + u * TG;
-          if (tl < tile_len) {
-            uint32_t c = cw[u] >> vsh;
-            if (vcross) c |= cw2[u] << (32 - vsh);
-            c &= (uint32_t)(VCODES - 1);
-            const VVEC cv = s_vb[(int)c * VREP + vrep];
-            float4 pv[GP / 4];
-            VQ_UNROLL
-            for (int k = 0; k < GP / 4; ++k) pv[k] = s_p4[tl * (GP / 4) + k];
-            VQ_UNROLL
-            for (int g = 0; g < G; ++g) {
-              const float p = vq_comp(pv[g / 4], g % 4);
-              VQ_UNROLL
-              for (int i = 0; i < VD; ++i) acc[g][i] += p * vq_comp(cv, i);
-            }
+          const int tl = tg + u * TG;
+          cw[u] = tl < tile_len ? vcol[tl * VW] : 0u;
+          cw2[u] = vcross && tl < tile_len ? vcol[tl * VW + 1] : 0u;
+        }
+        for (int tb = tg; tb < tile_len; tb += VPF * TG) {
+          uint32_t nw[VPF], nw2[VPF];
+          VQ_UNROLL
+          for (int u = 0; u < VPF; ++u) {
+            const int tl = tb + (VPF + u) * TG;
+            nw[u] = tl < tile_len ? vcol[tl * VW] : 0u;
+            nw2[u] = vcross && tl < tile_len ? vcol[tl * VW + 1] : 0u;
           }
-          cw[u] = nw[u];
-          cw2[u] = nw2[u];
+          VQ_UNROLL
+          for (int u = 0; u < VPF; ++u) {
+            const int tl = tb + u * TG;
+            if (tl < tile_len) {
+"""
+    + _value_sums(_value_code("cw[u]", "cw2[u]"))
+    + """
+            }
+            cw[u] = nw[u];
+            cw2[u] = nw2[u];
+          }
         }
       }
       VQ_BARRIER();
@@ -506,46 +556,88 @@ _PARTIAL_BODY = (
       part_o[(split * HQ + h * G) * D + idx] = sum;
     }
   } else {
-    // ---- the exact tokens: fp16 sinks, fp16 window, the call's own token(s); one per thread
+    // ---- the exact tokens: fp16 sinks, fp16 window, the call's own token(s). A SIMD group
+    // scores FPB tokens at a time (lane i holds elements i, i + 32, ...: coalesced loads,
+    // summed across the lanes; all FPB tokens' loads issued before the sums) into s_fs, then
+    // one thread per token runs the softmax. Up to 16K-token contexts this threadgroup is
+    // the launch's longest, so its chain of loads is the kernel's time: one thread walking
+    // its token's whole row made that chain D loads long.
     const int n_fp = n_sink + n_win + n_new;
-    float acc[NFP];
+    VQ_TG float* s_fs = s_acc;  // [TILE][G] scores of the tile's tokens
+    float acc[G][ND];           // output elements (g, d) for d = tid, tid + TILE, ...
     VQ_UNROLL
-    for (int k = 0; k < NFP; ++k) acc[k] = 0.0f;
+    for (int g = 0; g < G; ++g) {
+      VQ_UNROLL
+      for (int n = 0; n < ND; ++n) acc[g][n] = 0.0f;
+    }
     for (int tile = 0; tile < n_fp; tile += TILE) {
-      const int t = tile + (int)vq_tid;
+      const int tile_len = min(TILE, n_fp - tile);
+      for (int t0 = (int)vq_warp * FPB; t0 < tile_len; t0 += NWARPS * FPB) {
+        float kd[FPB][D / 32];
+        VQ_UNROLL
+        for (int b = 0; b < FPB; ++b) {
+          VQ_UNROLL
+          for (int e = 0; e < D / 32; ++e) {
+            const int t = tile + t0 + b, d = e * 32 + (int)vq_lane;
+            kd[b][e] = t0 + b < tile_len ? FP_AT(sink_k, win_k, new_k, t, d) : 0.0f;
+          }
+        }
+        VQ_UNROLL
+        for (int b = 0; b < FPB; ++b) {
+          VQ_UNROLL
+          for (int g = 0; g < G; ++g) {
+            float part = 0.0f;
+            VQ_UNROLL
+            for (int e = 0; e < D / 32; ++e) part += s_q[g * D + e * 32 + (int)vq_lane] * kd[b][e];
+            const float sc = vq_simd_sum(part);
+            if (vq_lane == 0 && t0 + b < tile_len) s_fs[(t0 + b) * G + g] = sc;
+          }
+        }
+      }
+      VQ_BARRIER();
       float s[1][G];
       VQ_UNROLL
-      for (int g = 0; g < G; ++g) s[0][g] = t < n_fp ? 0.0f : NEG;
-      if (t < n_fp) {
-        for (int d = 0; d < D; ++d) {
-          const float kd = FP_AT(sink_k, win_k, new_k, t, d);
-          VQ_UNROLL
-          for (int g = 0; g < G; ++g) s[0][g] += s_q[g * D + d] * kd;
-        }
+      for (int g = 0; g < G; ++g) {
+        s[0][g] = (int)vq_tid < tile_len ? s_fs[(int)vq_tid * G + g] : NEG;
       }
 """
     + _SOFTMAX_TILE.replace("RPT", "1")
     + """
       VQ_BARRIER();
-      const int tile_len = min(TILE, n_fp - tile);
+      // out[g][d] += sum_t p[t][g] v[t][d] for this thread's dims, FPV tokens' loads issued
+      // before their sums (p of tokens past the tile's end is 0)
       VQ_UNROLL
-      for (int k = 0; k < NFP; ++k) {
-        const int idx = (int)vq_tid + k * TILE;
-        if (idx < G * D) {
-          const int g = idx / D, d = idx % D;
-          float a = acc[k] * s_alpha[g];
-          for (int tl = 0; tl < tile_len; ++tl) {
-            a += s_p[tl * GP + g] * FP_AT(sink_v, win_v, new_v, tile + tl, d);
+      for (int g = 0; g < G; ++g) {
+        VQ_UNROLL
+        for (int n = 0; n < ND; ++n) acc[g][n] *= s_alpha[g];
+      }
+      for (int t0 = 0; t0 < tile_len; t0 += FPV) {
+        VQ_UNROLL
+        for (int n = 0; n < ND; ++n) {
+          const int d = (int)vq_tid + n * TILE;
+          if (d < D) {
+            float vv[FPV];
+            VQ_UNROLL
+            for (int u = 0; u < FPV; ++u) {
+              vv[u] = t0 + u < tile_len ? FP_AT(sink_v, win_v, new_v, tile + t0 + u, d) : 0.0f;
+            }
+            VQ_UNROLL
+            for (int u = 0; u < FPV; ++u) {
+              VQ_UNROLL
+              for (int g = 0; g < G; ++g) acc[g][n] += s_p[(t0 + u) * GP + g] * vv[u];
+            }
           }
-          acc[k] = a;
         }
       }
       VQ_BARRIER();
     }
     VQ_UNROLL
-    for (int k = 0; k < NFP; ++k) {
-      const int idx = (int)vq_tid + k * TILE;
-      if (idx < G * D) part_o[(split * HQ + h * G) * D + idx] = acc[k];
+    for (int n = 0; n < ND; ++n) {
+      const int d = (int)vq_tid + n * TILE;
+      VQ_UNROLL
+      for (int g = 0; g < G; ++g) {
+        if (d < D) part_o[(split * HQ + h * G + g) * D + d] = acc[g][n];
+      }
     }
   }
   if (vq_tid < G) {
@@ -908,12 +1000,16 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
             )
             // 16
         ),
-        "NFP": -(-lay.group * lay.head_dim // TILE),
+        "ND": -(-lay.head_dim // TILE),
+        "FPB": EXACT_KEY_BATCH,
+        "FPV": EXACT_VALUE_BATCH,
         "KVEC": _VEC[lay.key_sub_dim],
         "KLV": klv,
         "KLVEC": _WORDS[klv],
         "VVEC": _VEC[lay.value_sub_dim],
-        "VPF": VALUE_PREFETCH,
+        # a divisor of a thread's R * VM value tokens per tile, which the whole-tile loop
+        # walks in batches of VPF
+        "VPF": math.gcd(VALUE_PREFETCH, r * vm),
         "NTAY": PHASE_TAYLOR_ORDER + 1,
         "PHASE_PARAM": PHASE_PARAM,
         "VCROSS": 32 % lay.value_bits != 0,
