@@ -3,12 +3,17 @@ default layout, the synthetic caches of bench_kernels.py).
 
     python benchmarks/profile_partial_kernel.py ablations --contexts 4096 16384 65536
     ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+        -k regex:attn_partial python benchmarks/profile_partial_kernel.py ablations --calls 3
+    ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
         -k regex:attn_partial python benchmarks/profile_partial_kernel.py tiles
 
-- `ablations`: wall time per layer (32 calls per eval, interleaved repeats, median [min, max])
-  of the kernel with parts of its work cut out of the source, cumulatively: the value loop,
-  all key sub-vectors but one, the exact tokens' threadgroup, the code loads, the phase term;
-  and an empty kernel. The cut arms compute wrong output: they only time.
+- `ablations`: the kernel with parts of its work cut out of the source (each arm its own set of
+  cuts: the exact RoPE-phase pairs, the whole phase, the value sums, all key sub-vectors but
+  one, the exact tokens' threadgroup, and combinations). Without `--calls`, wall time per
+  layer (32 calls per eval, interleaved repeats, median [min, max]); with it, that many calls
+  per arm for a profiler (`--cache-control all` for cold caches, as in a decode step, where
+  the other layers' weights have evicted this layer's codes), each arm's kernel name printed
+  to match the profiler's rows. The cut arms compute wrong output: they only time.
 - `tiles`: three calls per (threads per threadgroup, tokens per thread) setting, for a
   profiler; prints each setting's kernel name (to match the profiler's rows) and its output's
   largest difference from the default setting's.
@@ -30,23 +35,43 @@ from bench_kernels import decode_inputs, time_arms
 H, G, D, LAYERS, SETS = 8, 4, 128, 32, 4
 
 # (text in the partial kernel's source, what replaces it)
-NO_VALUES = ("tl < tile_len; tl += TG) {", "tl < 0; tl += TG) {")
-ONE_KEY_SUB = ("for (int m = 0; m < KM; ++m) {", "for (int m = 0; m < 1; ++m) {")
-NO_EXACT = ("const int n_fp = n_sink + n_win + n_new;", "const int n_fp = 0;")
-NO_LOADS = ("w[r][i] = kwords[row + i];", "w[r][i] = (uint32_t)(row + i);")
-NO_SINCOS = ("VQ_SINCOS(mpos * inv_freq[j], sn, cs);", "sn = 0.0f; cs = 1.0f;")
-NO_TABLE = ("float2 z = etab[j * (TILE + 1) + (int)vq_tid];", "float2 z = VQ_F2(1.0f, 0.0f);")
-NO_CODED = ("if (split < n_splits) {", "if (split < 0) {")
+NO_EXACT_PAIRS = [("for (int j = 0; j < p_exact; ++j) {", "for (int j = 0; j < 0; ++j) {")]
+NO_POLYNOMIAL = [
+    (
+        "if (p_exact < P) {\n          VQ_UNROLL\n          for (int g = 0; g < G; ++g) {",
+        "if (false) {\n          VQ_UNROLL\n          for (int g = 0; g < G; ++g) {",
+    )
+]
+NO_VALUES = [  # the whole-tile loop and the bounds-checked one
+    ("for (int b = 0; b < R * VM; b += VPF) {", "for (int b = 0; b < 0; b += VPF) {"),
+    ("tb < tile_len; tb += VPF * TG) {", "tb < 0; tb += VPF * TG) {"),
+]
+ONE_KEY_SUB = [
+    (
+        "for (int m = 0; m < KM; ++m) {\n        float4 qv",
+        "for (int m = 0; m < 1; ++m) {\n        float4 qv",
+    )
+]
+NO_EXACT = [("const int n_fp = n_sink + n_win + n_new;", "const int n_fp = 0;")]
+OVERHEAD = ONE_KEY_SUB + NO_VALUES + NO_EXACT_PAIRS + NO_POLYNOMIAL
 ABLATIONS = {
     "default": [],
-    "no value loop": [NO_VALUES],
-    "+ 1 key sub-vector": [NO_VALUES, ONE_KEY_SUB],
-    "+ no exact part": [NO_VALUES, ONE_KEY_SUB, NO_EXACT],
-    "+ no code loads": [NO_VALUES, ONE_KEY_SUB, NO_EXACT, NO_LOADS],
-    "+ no phase": [NO_VALUES, ONE_KEY_SUB, NO_EXACT, NO_LOADS, NO_SINCOS, NO_TABLE],
-    "empty kernel": [NO_EXACT, NO_CODED],
+    "no exact phase pairs": NO_EXACT_PAIRS,
+    "no phase": NO_EXACT_PAIRS + NO_POLYNOMIAL,
+    "no value sums": NO_VALUES,
+    "1 key sub-vector": ONE_KEY_SUB,
+    "1 key sub-vector, no value sums": ONE_KEY_SUB + NO_VALUES,
+    "only the overhead": OVERHEAD,
+    "no exact tokens": NO_EXACT,
+    "overhead, no exact tokens": OVERHEAD + NO_EXACT,
 }
 TILES = [(128, 4), (128, 2), (256, 2), (256, 1), (256, 4)]
+
+
+def _cut(base: str, cuts: list) -> str:
+    for old, new in cuts:
+        base = base.replace(old, new)
+    return base
 
 
 def ablations(args) -> None:
@@ -55,32 +80,40 @@ def ablations(args) -> None:
         for old, _ in cut:
             if base.count(old) != 1:
                 raise SystemExit(f"the kernel source no longer has exactly one {old!r}")
+    scale = 1 / math.sqrt(D)
     for n in args.contexts:
         caches, qs, pend = decode_inputs(n, SETS, LAYERS, H, G, D)
-
-        def arm(cut, caches=caches, qs=qs, pend=pend):
-            def run():
-                body = base
-                for old, new in cut:
-                    body = body.replace(old, new)
-                K._PARTIAL_BODY = body
-                K.clear_memos(caches)  # the sources are rebuilt from the body above
-                outs = [
-                    K.decode_attention(caches[i % SETS], qs[i], 1 / math.sqrt(D), pend[i % SETS])
-                    for i in range(LAYERS)
-                ]
-                mx.eval([o[0] for o in outs])
-
-            return run
-
         try:
+            if args.calls:
+                for name, cut in ABLATIONS.items():
+                    K._PARTIAL_BODY = _cut(base, cut)
+                    K.clear_memos(caches)  # the sources are rebuilt from the body above
+                    for _ in range(args.calls):
+                        mx.eval(K.decode_attention(caches[0], qs[0], scale, pend[0])[0])
+                    lay = K.layout_of(caches[0], H * G)
+                    kernel = K.attention_kernel_sources(lay, mx.bfloat16)[0].kernel_name
+                    print(f"context {n}: {name}: kernel {kernel}")
+                continue
+
+            def arm(cut, caches=caches, qs=qs, pend=pend):
+                def run():
+                    K._PARTIAL_BODY = _cut(base, cut)
+                    K.clear_memos(caches)
+                    outs = [
+                        K.decode_attention(caches[i % SETS], qs[i], scale, pend[i % SETS])
+                        for i in range(LAYERS)
+                    ]
+                    mx.eval([o[0] for o in outs])
+
+                return run
+
             times = time_arms({k: arm(v) for k, v in ABLATIONS.items()}, args.repeats)
         finally:
             K._PARTIAL_BODY = base
             K.clear_memos(caches)
         print(f"context {n}: wall time per layer")
         for k, v in times.items():
-            print(f"  {k:<20} {fmt([t / LAYERS for t in v], 1e6, ' us')}")
+            print(f"  {k:<32} {fmt([t / LAYERS for t in v], 1e6, ' us')}")
 
 
 def tiles(args) -> None:
@@ -114,6 +147,7 @@ def main() -> None:
     p.add_argument("mode", choices=["ablations", "tiles"])
     p.add_argument("--contexts", type=int, nargs="+", default=None)
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--calls", type=int, default=0, help="ablations: this many calls per arm")
     args = p.parse_args()
     if backend() is None:
         raise SystemExit("no GPU kernel backend: the kernels cannot run here")
