@@ -304,6 +304,63 @@ def test_emulated_decode_kernels_match_the_twin(
         np.testing.assert_array_equal(out2, out)
 
 
+# Layouts the real model's caches do not have: (head_dim, query heads per KV head, key
+# (bits, sub_dim), value (bits, sub_dim)). Value codes that cross 32-bit words (6 and 10 bits),
+# one query head per KV head and G * D below a tile, the smallest and the largest head_dim.
+OTHER_LAYOUTS = [(128, 1, (6, 2), (6, 1)), (32, 5, (4, 4), (10, 2)), (256, 2, (8, 4), (8, 4))]
+
+
+@needs_cxx
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+@pytest.mark.parametrize("layout", OTHER_LAYOUTS, ids=lambda x: f"d{x[0]}g{x[1]}")
+def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout, monkeypatch):
+    import mlx.nn as nn
+
+    from veloxquant.rope import RopeSpec
+
+    d, g, (kb, kd), (vb, vd) = layout
+    h, rng = 2, np.random.default_rng(d + g)
+
+    def normal(*shape, scale=1.0):
+        return mx.array((rng.normal(size=shape) * scale).astype(np.float32))
+
+    c = VecInferCache(
+        mx.array(rng.uniform(0.5, 2.0, (h, d)).astype(np.float32)),
+        normal(h, 2**kb, kd),
+        normal(1, 2**vb, vd, scale=0.5),
+        key_bits=kb,
+        key_sub_dim=kd,
+        value_bits=vb,
+        value_sub_dim=vd,
+        hadamard=True,
+        window=20,
+        sinks=3,
+        key_mean=normal(h, d, scale=2.0),
+        value_mean=normal(h, d, scale=0.5),
+        rope=RopeSpec.from_module(nn.RoPE(d, base=10000.0), d),
+        value_smooth=mx.array(rng.uniform(0.5, 2.0, (h, d)).astype(np.float32)),
+    )
+    c.fused = True
+    n = 700  # several splits of whole and partial tiles at r = 1 and 4 (MIN_SPLIT 128)
+    c.update_and_fetch(normal(1, h, n, d, scale=2.0), normal(1, h, n, d))
+    mx.eval(c.fused_attention(normal(1, h * g, n, d), scale=0.1))
+    c.update_and_fetch(normal(1, h, 1, d, scale=2.0), normal(1, h, 1, d))
+    pending, c._pending = c._pending, None
+    assert pending["encode"] is not None
+    q = normal(1, h * g, 1, d, scale=2.0)
+    lay = K.layout_of(c, h * g)
+    assert lay.unsupported(backend) is None
+    assert lay.value_bits == vb and lay.group == g
+    monkeypatch.setattr(K, "MIN_SPLIT", 128)
+    c._reserve_codes(1)
+    for r in (1, 4):
+        assert K.attention_inputs(c, q, 1.0, pending, r=r)["n_splits"] >= 2
+        ref = np.array(K.reference_attention(c, q, 1 / math.sqrt(d), None, pending))
+        plain = {**pending, "encode": None}
+        out, _, _ = _emulated_attention(backend, c, q, plain, r)
+        np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
+
+
 @needs_cxx
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
 def test_emulated_encode_kernel_matches_the_cache_encoder(
