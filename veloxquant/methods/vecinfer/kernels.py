@@ -1002,7 +1002,9 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
         ),
         "ND": -(-lay.head_dim // TILE),
         "FPB": EXACT_KEY_BATCH,
-        "FPV": EXACT_VALUE_BATCH,
+        # a divisor of TILE: the exact value loop reads p of FPV tokens at a time, and p is
+        # written (0 past the tile's end) for TILE tokens only
+        "FPV": math.gcd(EXACT_VALUE_BATCH, TILE),
         "KVEC": _VEC[lay.key_sub_dim],
         "KLV": klv,
         "KLVEC": _WORDS[klv],
