@@ -6,6 +6,7 @@ default layout, the synthetic caches of bench_kernels.py).
         -k regex:attn_partial python benchmarks/profile_partial_kernel.py ablations --calls 3
     ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
         -k regex:attn_partial python benchmarks/profile_partial_kernel.py tiles
+    python benchmarks/profile_partial_kernel.py timeline --contexts 4096 16384 65536
 
 - `ablations`: the kernel with parts of its work cut out of the source (each arm its own set of
   cuts: the exact RoPE-phase pairs, the whole phase, the value sums, all key sub-vectors but
@@ -14,6 +15,15 @@ default layout, the synthetic caches of bench_kernels.py).
   per arm for a profiler (`--cache-control all` for cold caches, as in a decode step, where
   the other layers' weights have evicted this layer's codes), each arm's kernel name printed
   to match the profiler's rows. The cut arms compute wrong output: they only time.
+- `timeline` (CUDA): the kernel with timestamps at its phase boundaries, written by thread 0
+  of every threadgroup (`%globaltimer` for when a group starts and ends, `clock64` for the
+  phases in between): when the groups start, how long each phase takes, and which group ends
+  last, with warm caches and with L2 flushed before the launch (`--arms` adds ablations,
+  `--constants NAME=INT` overrides the kernel module's settings). The flush is a 256 MB write:
+  it empties L2 but not the SMs' own instruction caches, which ncu's `--cache-control all`
+  does, so its "cold" is warmer than ncu's; and one 16K cold run showed every group stalled
+  ~100 us in the same phase (not understood, not seen at 4K or 64K): read its cold rows with
+  ncu's times beside them.
 - `tiles`: three calls per (threads per threadgroup, tokens per thread) setting, for a
   profiler; prints each setting's kernel name (to match the profiler's rows) and its output's
   largest difference from the default setting's.
@@ -22,10 +32,12 @@ default layout, the synthetic caches of bench_kernels.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
+import numpy as np
 
 from veloxquant.kernels import backend
 from veloxquant.methods.vecinfer import kernels as K
@@ -116,6 +128,189 @@ def ablations(args) -> None:
             print(f"  {k:<32} {fmt([t / LAYERS for t in v], 1e6, ' us')}")
 
 
+# Timeline stamps. Slots 4-7 are the first tile of a split, 8-11 its last tile when it has more
+# than one (each later tile overwrites them); the exact threadgroup has its own.
+STAMP_NAMES = [
+    "start",
+    "queries loaded",
+    "Hadamard",
+    "codebooks loaded",
+    "tile 0 phase table",
+    "tile 0 key scores",
+    "tile 0 softmax",
+    "tile 0 value sums",
+    "last tile phase",
+    "last tile keys",
+    "last tile softmax",
+    "last tile values",
+    "written",
+    "exact scores",
+    "exact softmax",
+    "exact value sums",
+]
+NS = len(STAMP_NAMES) + 1  # the last slot holds the SM id
+_TI = "(min((tile - t_begin) / (TILE * R), 1) * 4)"
+# (slot, text before the stamp, text after it): the two texts together must be in the source
+# exactly once.
+_RESCALE = "      VQ_UNROLL\n      for (int g = 0; g < G; ++g) {\n        const float al"
+_PHASE_END = "              s[r][g] += v;\n            }\n          }\n        }\n      }\n"
+_EXACT_OUT = "    VQ_UNROLL\n    for (int n = 0; n < ND; ++n) {\n      const int d"
+STAMPS = [
+    (0, "const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;\n", ""),
+    (1, "    s_lrun[vq_tid] = 0.0f;\n  }\n  VQ_BARRIER();\n", ""),
+    (2, "        VQ_BARRIER();\n      }\n    }\n", ""),
+    (3, "    VQ_BARRIER();\n\n", "    // key code rows read"),
+    (f"4 + {_TI}", "          VQ_BARRIER();\n        }\n      }\n", ""),
+    (f"5 + {_TI}", _PHASE_END, ""),
+    (f"6 + {_TI}", "      VQ_BARRIER();\n", _RESCALE),
+    (f"7 + {_TI}", "      VQ_BARRIER();\n", "    }\n    // reduce the TG token strides'"),
+    (13, "      VQ_BARRIER();\n      float s[1][G];\n", ""),
+    (14, "      VQ_BARRIER();\n", "      // out[g][d] += sum_t"),
+    (15, "      VQ_BARRIER();\n    }\n", _EXACT_OUT),
+    (12, "", "  if (vq_tid < G) {\n    part_m[split * HQ"),
+]
+_STAMP_MACRO = r"""
+#define VQ_STAMP(k) if (vq_tid == 0) { \
+  unsigned long long gt_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt_)); \
+  const long long ck_ = clock64(); \
+  const int at_ = ((int)vq_gy * (int)gridDim.x + (int)vq_gx) * (2 * NSTAMP) + 2 * (k); \
+  tstamp[at_] = (uint32_t)gt_; tstamp[at_ + 1] = (uint32_t)ck_; }
+"""
+
+
+def stamped_body(body: str) -> str:
+    """`body` (a partial kernel source) with VQ_STAMP calls at STAMPS' places, and thread 0
+    writing its SM's id; exits if a place is not in the source exactly once."""
+    for slot, before, after in STAMPS:
+        if body.count(before + after) != 1:
+            raise SystemExit(f"the kernel source no longer has exactly one {before + after!r}")
+        body = body.replace(before + after, f"{before}VQ_STAMP({slot});\n{after}")
+    sm = (
+        "  if (vq_tid == 0) {\n    uint32_t sm_;\n"
+        '    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));\n'
+        "    tstamp[((int)vq_gy * (int)gridDim.x + (int)vq_gx) * (2 * NSTAMP) + 2 * (NSTAMP - 1)]"
+        " = sm_;\n  }\n"
+    )
+    body = body.replace("VQ_STAMP(12);\n", "VQ_STAMP(12);\n" + sm)
+    return f"  constexpr int NSTAMP = {NS};\n" + _STAMP_MACRO + body
+
+
+def _flush_l2() -> None:
+    junk = mx.zeros((1 << 26,), mx.float32)  # 256 MB, several times the L2
+    mx.eval(junk + 1)
+
+
+def _timeline_once(a: dict, q: mx.array, kernel, cold: bool) -> np.ndarray:
+    n_groups = a["groups"][0] * a["groups"][1]
+    ns = a["n_splits"] + 1
+    n_q, d = q.shape[1], q.shape[3]
+    if cold:
+        _flush_l2()
+    outs = kernel(
+        inputs=a["partial"],
+        grid=(a["groups"][0] * K.TILE, a["groups"][1], 1),
+        threadgroup=(K.TILE, 1, 1),
+        output_shapes=[(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,), (n_groups * NS * 2,)],
+        output_dtypes=[mx.float32] * 3 + [mx.uint32],
+        init_value=0,
+    )
+    mx.eval(outs)
+    return np.array(outs[3]).reshape(a["groups"][1], a["groups"][0], NS, 2)
+
+
+def _report_timeline(st: np.ndarray, n_splits: int) -> None:
+    """st[h, group, slot, (globaltimer ns, clock)], low 32 bits of each."""
+    gt = st[..., 0].astype(np.int64)
+    ck = st[..., 1].astype(np.int64)
+    t0 = gt[:, :, 0].min()
+    start = ((gt[:, :, 0] - t0) % (1 << 32)) / 1e3  # us after the first group started
+    end = ((gt[:, :, 12] - t0) % (1 << 32)) / 1e3
+    ghz = ((ck[:, :, 12] - ck[:, :, 0]) % (1 << 32)) / np.maximum(
+        (gt[:, :, 12] - gt[:, :, 0]) % (1 << 32), 1
+    )
+    clock = float(np.median(ghz))
+    coded, exact = np.s_[:, :n_splits], np.s_[:, n_splits]
+    print(f"    SM clock {clock:.2f} GHz; {len(np.unique(st[:, :, NS - 1, 0]))} SMs used")
+    print(
+        f"    group start after the first: median {np.median(start[coded]):.1f} us, "
+        f"max {start[coded].max():.1f} us (exact groups {start[exact].min():.1f}-"
+        f"{start[exact].max():.1f}); last group ends at {end.max():.1f} us"
+    )
+
+    def phase(a: int, b: int, where, one_tile: bool = False) -> np.ndarray:
+        reached = (gt[where][..., a] != 0) & (gt[where][..., b] != 0)
+        if one_tile:  # groups whose split has one tile
+            reached &= gt[where][..., 8] == 0
+        d = ((ck[where][..., b] - ck[where][..., a]) % (1 << 32)) / (clock * 1e3)
+        return d[reached]
+
+    print("    coded groups, us per phase (median / 90% / max over groups):")
+    for a in range(12):
+        v = phase(a, a + 1, coded) if a != 7 else phase(7, 8, coded)
+        if v.size:
+            print(
+                f"      {STAMP_NAMES[a]:>18} -> {STAMP_NAMES[a + 1]:<18} {np.median(v):6.2f} "
+                f"{np.percentile(v, 90):6.2f} {v.max():6.2f}  ({v.size} groups)"
+            )
+    v = phase(7, 12, coded, one_tile=True)
+    if v.size:
+        print(
+            f"      {STAMP_NAMES[7]:>18} -> {STAMP_NAMES[12]:<18} {np.median(v):6.2f} "
+            f"{np.percentile(v, 90):6.2f} {v.max():6.2f}  ({v.size} one-tile groups)"
+        )
+    last = phase(0, 12, coded)
+    print(
+        f"      {'start':>18} -> {'written':<18} {np.median(last):6.2f} "
+        f"{np.percentile(last, 90):6.2f} {last.max():6.2f}"
+    )
+    print("    exact groups, us per phase (median / max):")
+    for a, b in ((0, 1), (1, 13), (13, 14), (14, 15), (15, 12), (0, 12)):
+        v = phase(a, b, exact)
+        if v.size:
+            name = f"{STAMP_NAMES[a]:>18} -> {STAMP_NAMES[b]:<18}"
+            print(f"      {name} {np.median(v):6.2f} {v.max():6.2f}")
+
+
+def timeline(args) -> None:
+    if backend() != "cuda":
+        raise SystemExit("timeline reads CUDA's %globaltimer and clock64: it runs on CUDA only")
+    base = K._PARTIAL_BODY
+    for kv in args.constants:  # e.g. TOKENS_PER_THREAD=2
+        name, value = kv.split("=")
+        setattr(K, name, int(value))
+    arms = {"default": []} | {k: ABLATIONS[k] for k in args.arms}
+    scale = 1 / math.sqrt(D)
+    for n in args.contexts:
+        caches, qs, pend = decode_inputs(n, 1, 1, H, G, D)
+        for name, cut in arms.items():
+            try:
+                K._PARTIAL_BODY = _cut(base, cut)
+                K.clear_memos(caches)
+                a = K.attention_inputs(caches[0], qs[0], scale, pend[0])
+            finally:
+                K._PARTIAL_BODY = base
+                K.clear_memos(caches)
+            src = a["sources"][0]
+            src = dataclasses.replace(
+                src, outputs=(*src.outputs, "tstamp"), body=stamped_body(src.body)
+            )
+            kernel = mx.fast.cuda_kernel(
+                name=src.kernel_name + "_stamped",
+                input_names=list(src.inputs),
+                output_names=list(src.outputs),
+                source=src.cuda_body(),
+                header=src.header("cuda"),
+            )
+            for cold in (False, True):
+                for _ in range(args.calls):  # the last call is reported
+                    st = _timeline_once(a, qs[0], kernel, cold)
+                print(
+                    f"context {n}: {name}, {'cold (L2 flushed)' if cold else 'warm'}: "
+                    f"{a['groups'][0]} x {a['groups'][1]} threadgroups"
+                )
+                _report_timeline(st, a["n_splits"])
+
+
 def tiles(args) -> None:
     default = (K.TILE, K.TOKENS_PER_THREAD)
     try:
@@ -144,10 +339,12 @@ def tiles(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("mode", choices=["ablations", "tiles"])
+    p.add_argument("mode", choices=["ablations", "tiles", "timeline"])
     p.add_argument("--contexts", type=int, nargs="+", default=None)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--calls", type=int, default=0, help="ablations: this many calls per arm")
+    p.add_argument("--arms", nargs="*", default=[], choices=list(ABLATIONS), help="timeline")
+    p.add_argument("--constants", nargs="*", default=[], help="timeline: NAME=INT overrides")
     args = p.parse_args()
     if backend() is None:
         raise SystemExit("no GPU kernel backend: the kernels cannot run here")
@@ -155,6 +352,10 @@ def main() -> None:
     if args.mode == "ablations":
         args.contexts = args.contexts or [4096, 16384, 65536]
         ablations(args)
+    elif args.mode == "timeline":
+        args.contexts = args.contexts or [16384, 65536]
+        args.calls = args.calls or 3
+        timeline(args)
     else:
         args.contexts = args.contexts or [16384, 65536]
         tiles(args)
