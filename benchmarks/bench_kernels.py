@@ -166,6 +166,7 @@ def check_attention(args, log: list) -> bool:
             new = [mx.random.normal((1, h, 1, d)).astype(mx.bfloat16) for _ in range(2)]
             pend = pending_for(c, new)
             ref = K.reference_attention(c, q.astype(mx.float32), 1 / math.sqrt(d), None, pend)
+            default_r = K.TOKENS_PER_THREAD
             for r in (1, 2, 4):
                 K.TOKENS_PER_THREAD = r
                 out, _ = K.decode_attention(c, q, 1 / math.sqrt(d), pend)
@@ -187,7 +188,7 @@ def check_attention(args, log: list) -> bool:
                         "ok": good,
                     }
                 )
-            K.TOKENS_PER_THREAD = 4
+            K.TOKENS_PER_THREAD = default_r
     return ok
 
 
@@ -389,8 +390,9 @@ def bench_context(args, n_coded: int) -> dict:
     arms["encode_1tok"] = encode
     if args.reference:
         arms["reference_mlx"] = reference
+    default_r = K.TOKENS_PER_THREAD
     times = time_arms(arms, args.repeats)
-    K.TOKENS_PER_THREAD = 4
+    K.TOKENS_PER_THREAD = default_r
     K.TARGET_GROUPS = default_groups
     per_call = {k: [t / layers for t in v] for k, v in times.items()}
     code_bytes_read = n_coded * h * (caches[0].key_codes.shape[3] + caches[0].value_codes.shape[3])

@@ -59,10 +59,11 @@ NO_VALUES = [  # the whole-tile loop and the bounds-checked one
     ("tb < tile_len; tb += VPF * TG) {", "tb < 0; tb += VPF * TG) {"),
 ]
 ONE_KEY_SUB = [
+    ("for (int mc = 0; mc < KM; mc += KCH) {", "for (int mc = 0; mc < KCH; mc += KCH) {"),
     (
-        "for (int m = 0; m < KM; ++m) {\n        float4 qv",
-        "for (int m = 0; m < 1; ++m) {\n        float4 qv",
-    )
+        "for (int m = 0; m < KCH; ++m) {\n          float4 qv",
+        "for (int m = 0; m < 1; ++m) {\n          float4 qv",
+    ),
 ]
 NO_EXACT = [("const int n_fp = n_sink + n_win + n_new;", "const int n_fp = 0;")]
 OVERHEAD = ONE_KEY_SUB + NO_VALUES + NO_EXACT_PAIRS + NO_POLYNOMIAL

@@ -19,9 +19,11 @@ value side transforms one aggregated vector per query head instead of every toke
 Decode attention (`attention_kernel_sources`, flash-decoding in two launches):
 1. partial: one threadgroup of 128 threads per (sequence split, KV head); it computes q̃ and
    the phase coefficients for its G query heads once (a KV head's codes are read once for all
-   of them), then walks its split in tiles of 128 tokens: each thread scores one token from its
-   key codes (the key codebook sits in threadgroup memory, replicated per lane when small so
-   random codes hit distinct banks) plus the phase term (the tile's start angle exactly, the
+   of them), then walks its split in tiles of 128·R tokens: each thread scores R consecutive
+   tokens from their key codes (the key codebook sits in threadgroup memory, replicated per
+   lane when small so random codes hit distinct banks; a chunk of sub-vectors per iteration of
+   a loop that is not unrolled, since fetching a fully unrolled loop's instructions, once per
+   tile, took longer than its arithmetic) plus the phase term (the tile's start angle exactly, the
    offset within the tile from a host-built table, so no per-token sin/cos; the slow RoPE pairs,
    which barely turn over a tile, as one polynomial in the offset); an online softmax
    per head; then each thread owns one value sub-space for a stride of the tile's tokens and
@@ -45,7 +47,7 @@ ties), bit packing; keys and values in one launch for all of a layer's new token
 Supported configurations (else callers use the pure-MLX twin): head_dim a power of two in
 [32, 256], sub_dim in {1, 2, 4}, bits <= 12, packed rows a whole number of 32-bit words, and
 threadgroup arrays within the backend's limit (THREADGROUP_LIMIT: 32 KB on Apple GPUs, so for
-instance a 64-dim head with 7 query heads per KV head, 45 KB, runs the kernels on CUDA only).
+instance a 64-dim head with 7 query heads per KV head, 37 KB, runs the kernels on CUDA only).
 """
 
 from __future__ import annotations
@@ -72,10 +74,17 @@ LOG2E = 1.4426950408889634
 CODEBOOK_BYTES = 8192
 THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 # Coded tokens each thread scores per tile: the query's transformed sub-vectors and phase
-# coefficients are read from threadgroup memory once for all of them.
-TOKENS_PER_THREAD = 4
+# coefficients are read from threadgroup memory once for all of them. 4 took 128 registers per
+# thread with the key loop unrolled and 144 with it rolled (3 threadgroups per SM on an H200);
+# 2 takes 96, and timed faster from cold caches up to 64K tokens
+# (benchmarks/results/instruction-fetch-h200.txt).
+TOKENS_PER_THREAD = 2
 # Value codes each thread has in flight while it accumulates the previous ones.
-VALUE_PREFETCH = 8
+VALUE_PREFETCH = 16
+# Key sub-vectors scored per iteration of the partial kernel's key loop, which is not unrolled
+# beyond that (at least this many: rounded up to whole 32-bit words of codes, and all KM when
+# that does not divide them).
+KEY_CHUNK = 16
 # Exact tokens (sinks, window, new) a SIMD group scores at a time, and whose values each
 # thread loads before summing them: all their loads in flight at once. Larger key batches timed
 # slower from cold caches (benchmarks/results/exact-tokens-value-loop-h200.txt).
@@ -396,25 +405,37 @@ _PARTIAL_BODY = (
         VQ_UNROLL
         for (int g = 0; g < G; ++g) s[r][g] = 0.0f;
       }
-      VQ_UNROLL
-      for (int m = 0; m < KM; ++m) {
-        float4 qv[QS / 4];
+      // KCH sub-vectors (whole code words, KCW of them) per iteration of a loop that is not
+      // unrolled: unrolled over all KM, this loop was half of the kernel's code, and fetching
+      // those instructions once per tile, not the arithmetic, was its time. After a chunk, the
+      // next chunk's words move down (register moves: every word index stays a constant).
+      VQ_UNROLL_BY(1)
+      for (int mc = 0; mc < KM; mc += KCH) {
         VQ_UNROLL
-        for (int k = 0; k < QS / 4; ++k) qv[k] = s_qt[m * (QS / 4) + k];
-        const int bit = m * KB;
-        VQ_UNROLL
-        for (int r = 0; r < R; ++r) {
-          uint32_t c = w[r][bit >> 5] >> (bit & 31);
-          if ((bit & 31) + KB > 32) c |= w[r][(bit >> 5) + 1] << (32 - (bit & 31));
-          c &= (uint32_t)(KCODES - 1);
-          const KVEC cv = s_kb[(int)c * KREP + krep];
+        for (int m = 0; m < KCH; ++m) {
+          float4 qv[QS / 4];
           VQ_UNROLL
-          for (int g = 0; g < G; ++g) {
+          for (int k = 0; k < QS / 4; ++k) qv[k] = s_qt[(mc + m) * (QS / 4) + k];
+          const int bit = m * KB;
+          VQ_UNROLL
+          for (int r = 0; r < R; ++r) {
+            uint32_t c = w[r][bit >> 5] >> (bit & 31);
+            if ((bit & 31) + KB > 32) c |= w[r][(bit >> 5) + 1] << (32 - (bit & 31));
+            c &= (uint32_t)(KCODES - 1);
+            const KVEC cv = s_kb[(int)c * KREP + krep];
             VQ_UNROLL
-            for (int i = 0; i < KD; ++i) {
-              s[r][g] += vq_comp(qv[(g * KD + i) / 4], (g * KD + i) % 4) * vq_comp(cv, i);
+            for (int g = 0; g < G; ++g) {
+              VQ_UNROLL
+              for (int i = 0; i < KD; ++i) {
+                s[r][g] += vq_comp(qv[(g * KD + i) / 4], (g * KD + i) % 4) * vq_comp(cv, i);
+              }
             }
           }
+        }
+        VQ_UNROLL
+        for (int r = 0; r < R; ++r) {
+          VQ_UNROLL
+          for (int i = 0; i + KCW < KW; ++i) w[r][i] = w[r][i + KCW];
         }
       }
       if (CENTER) {
@@ -982,6 +1003,10 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
     gp = _round4(lay.group)
     kw = lay.key_bytes // 4
     klv = 4 if kw % 4 == 0 else (2 if kw % 2 == 0 else 1)
+    km = lay.head_dim // lay.key_sub_dim
+    whole = 32 // math.gcd(lay.key_bits, 32)  # sub-vectors whose codes fill whole words
+    kch = -(-KEY_CHUNK // whole) * whole
+    kch = kch if km % kch == 0 else km
     return {
         **c,
         "TILE": TILE,
@@ -1012,6 +1037,8 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
         # a divisor of a thread's R * VM value tokens per tile, which the whole-tile loop
         # walks in batches of VPF
         "VPF": math.gcd(VALUE_PREFETCH, r * vm),
+        "KCH": kch,
+        "KCW": kw if kch == km else kch * lay.key_bits // 32,  # code words per chunk
         "NTAY": PHASE_TAYLOR_ORDER + 1,
         "PHASE_PARAM": PHASE_PARAM,
         "VCROSS": 32 % lay.value_bits != 0,
