@@ -130,21 +130,23 @@ def ablations(args) -> None:
 
 
 # Timeline stamps. Slots 4-7 are the first tile of a split, 8-11 its last tile when it has more
-# than one (each later tile overwrites them); the exact threadgroup has its own.
+# than one (each later tile overwrites them); the exact threadgroup has its own. A tile's
+# "scores" span its key code loads, key sub-vectors and RoPE phase term; "end" is stamped
+# before the group's running max and sum are written.
 STAMP_NAMES = [
     "start",
     "queries loaded",
     "Hadamard",
     "codebooks loaded",
     "tile 0 phase table",
-    "tile 0 key scores",
+    "tile 0 scores",
     "tile 0 softmax",
     "tile 0 value sums",
     "last tile phase",
-    "last tile keys",
+    "last tile scores",
     "last tile softmax",
     "last tile values",
-    "written",
+    "end",
     "exact scores",
     "exact softmax",
     "exact value sums",
@@ -223,9 +225,12 @@ def _report_timeline(st: np.ndarray, n_splits: int) -> None:
     """st[h, group, slot, (globaltimer ns, clock)], low 32 bits of each."""
     gt = st[..., 0].astype(np.int64)
     ck = st[..., 1].astype(np.int64)
-    t0 = gt[:, :, 0].min()
-    start = ((gt[:, :, 0] - t0) % (1 << 32)) / 1e3  # us after the first group started
-    end = ((gt[:, :, 12] - t0) % (1 << 32)) / 1e3
+    # times after the first group's start, as signed differences of the 32-bit timer (which
+    # wraps every 4.3 s) from one group's start
+    rel = (gt - gt[0, 0, 0] + (1 << 31)) % (1 << 32) - (1 << 31)
+    t0 = rel[:, :, 0].min()
+    start = (rel[:, :, 0] - t0) / 1e3
+    end = (rel[:, :, 12] - t0) / 1e3
     ghz = ((ck[:, :, 12] - ck[:, :, 0]) % (1 << 32)) / np.maximum(
         (gt[:, :, 12] - gt[:, :, 0]) % (1 << 32), 1
     )
@@ -247,7 +252,7 @@ def _report_timeline(st: np.ndarray, n_splits: int) -> None:
 
     print("    coded groups, us per phase (median / 90% / max over groups):")
     for a in range(12):
-        v = phase(a, a + 1, coded) if a != 7 else phase(7, 8, coded)
+        v = phase(a, a + 1, coded)  # 7 -> 8 spans the middle tiles too
         if v.size:
             print(
                 f"      {STAMP_NAMES[a]:>18} -> {STAMP_NAMES[a + 1]:<18} {np.median(v):6.2f} "
@@ -261,7 +266,7 @@ def _report_timeline(st: np.ndarray, n_splits: int) -> None:
         )
     last = phase(0, 12, coded)
     print(
-        f"      {'start':>18} -> {'written':<18} {np.median(last):6.2f} "
+        f"      {'start':>18} -> {'end':<18} {np.median(last):6.2f} "
         f"{np.percentile(last, 90):6.2f} {last.max():6.2f}"
     )
     print("    exact groups, us per phase (median / max):")
@@ -278,8 +283,14 @@ def timeline(args) -> None:
     base = K._PARTIAL_BODY
     for kv in args.constants:  # e.g. TOKENS_PER_THREAD=2
         name, value = kv.split("=")
+        if not isinstance(getattr(K, name, None), int):
+            raise SystemExit(f"--constants: the kernels module has no integer setting {name}")
         setattr(K, name, int(value))
     arms = {"default": []} | {k: ABLATIONS[k] for k in args.arms}
+    for cut in arms.values():
+        for old, _ in cut:
+            if base.count(old) != 1:
+                raise SystemExit(f"the kernel source no longer has exactly one {old!r}")
     scale = 1 / math.sqrt(D)
     for n in args.contexts:
         caches, qs, pend = decode_inputs(n, 1, 1, H, G, D)
@@ -342,8 +353,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("mode", choices=["ablations", "tiles", "timeline"])
     p.add_argument("--contexts", type=int, nargs="+", default=None)
-    p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--calls", type=int, default=0, help="ablations: this many calls per arm")
+    p.add_argument("--repeats", type=int, default=9, help="ablations without --calls")
+    p.add_argument(
+        "--calls", type=int, default=0, help="ablations, timeline (default 3): calls per arm"
+    )
     p.add_argument("--arms", nargs="*", default=[], choices=list(ABLATIONS), help="timeline")
     p.add_argument("--constants", nargs="*", default=[], help="timeline: NAME=INT overrides")
     args = p.parse_args()

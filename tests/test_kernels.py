@@ -256,7 +256,7 @@ def test_emulated_decode_kernels_match_the_twin(
     _prefill(model, caches, prompt)
     monkeypatch.setattr(K, "MIN_SPLIT", 128)  # several splits from a short context
     monkeypatch.setattr(K, "WRITE_IN_PLACE", in_place)
-    for layer, r, steps in ((0, 1, 3), (7, 4, 5)):
+    for layer, r, steps in ((0, 1, 3), (7, 2, 5)):  # 2: K.TOKENS_PER_THREAD; 4 below
         # decode steps first, so the ring has turned: the token leaving the window is not in
         # slot 0 (the slot and the position are checked against the cache's own counters)
         c = caches[layer]

@@ -82,8 +82,8 @@ TOKENS_PER_THREAD = 2
 # Value codes each thread has in flight while it accumulates the previous ones.
 VALUE_PREFETCH = 16
 # Key sub-vectors scored per iteration of the partial kernel's key loop, which is not unrolled
-# beyond that (at least this many: rounded up to whole 32-bit words of codes, and all KM when
-# that does not divide them).
+# beyond that: rounded up to whole 32-bit words of codes, and all KM when that does not divide
+# them (so fewer than this when KM is smaller).
 KEY_CHUNK = 16
 # Exact tokens (sinks, window, new) a SIMD group scores at a time, and whose values each
 # thread loads before summing them: all their loads in flight at once. Larger key batches timed
@@ -91,8 +91,8 @@ KEY_CHUNK = 16
 EXACT_KEY_BATCH = 2
 EXACT_VALUE_BATCH = 16
 # The RoPE phase of the key mean: pairs whose angle turns by at most PHASE_TAYLOR_ANGLE over a
-# tile (the slow, low-frequency ones: a third of Llama-3's 64) are summed as one polynomial of
-# this order in the token's offset instead of term by term; the truncation error,
+# tile (the slow, low-frequency ones: 31 of Llama-3's 64 over a 256-token tile) are summed as
+# one polynomial of this order in the token's offset instead of term by term; the truncation error,
 # angle^(order+1) / (order+1)!, is 1e-6 of the pairs' coefficients.
 PHASE_TAYLOR_ORDER = 5
 PHASE_TAYLOR_ANGLE = 0.3
