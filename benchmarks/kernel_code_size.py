@@ -11,7 +11,7 @@ in code order (the compiler's layout: the exact tokens' branch comes first, and 
 ends at "Hadamard" is the coded branch's start). Fetching a fully unrolled loop's instructions
 once per tile took longer than its arithmetic on the H200
 (benchmarks/results/instruction-fetch-h200.txt), so code size is worth watching. MLX's NVRTC
-allocates a few more registers than nvcc here (6-16 in that file).
+allocated 0-14 more registers than nvcc here in that file.
 
 Needs nvcc (CUDA 12 or 13) and cuobjdump on PATH or in $CUDA_HOME/bin; the `nvidia-cuda-cuobjdump`
 wheel has one (`pip install nvidia-cuda-cuobjdump`, then its nvidia/cu13/bin). The MLX header the
