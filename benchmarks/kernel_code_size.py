@@ -21,7 +21,6 @@ source includes is replaced by a stub that includes CUDA's fp16 / bf16 headers.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import re
@@ -34,7 +33,7 @@ import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 
 from ab_kernel_revisions import load_baseline
 from bench_kernels import decode_inputs
-from profile_partial_kernel import STAMP_NAMES, stamped_body
+from profile_partial_kernel import STAMP_NAMES, stamped_source
 from veloxquant.kernels import dtype_name
 from veloxquant.methods.vecinfer import kernels as current
 
@@ -56,13 +55,8 @@ def translation_unit(kernels, stamped: bool) -> str:
     """The partial kernel's CUDA source for the default layout at 4K tokens, as MLX builds it."""
     caches, qs, pend = decode_inputs(4096, 1, 1, H, G, D)
     a = kernels.attention_inputs(caches[0], qs[0], 1 / math.sqrt(D), pend[0])
-    src = a["sources"][0]
-    outputs = ["float32"] * 3
-    if stamped:
-        src = dataclasses.replace(
-            src, outputs=(*src.outputs, "tstamp"), body=stamped_body(src.body)
-        )
-        outputs.append("uint32")
+    src = stamped_source(a["sources"][0]) if stamped else a["sources"][0]
+    outputs = ["float32"] * 3 + (["uint32"] if stamped else [])
     return src.cuda_translation_unit([dtype_name(x.dtype) for x in a["partial"]], outputs)
 
 

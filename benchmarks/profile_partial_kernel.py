@@ -81,6 +81,14 @@ ABLATIONS = {
 TILES = [(128, 4), (128, 2), (256, 2), (256, 1), (256, 4)]
 
 
+def _check_cuts(base: str, cuts) -> None:
+    """Exit unless every text a cut replaces is in `base` exactly once."""
+    for cut in cuts:
+        for old, _ in cut:
+            if base.count(old) != 1:
+                raise SystemExit(f"the kernel source no longer has exactly one {old!r}")
+
+
 def _cut(base: str, cuts: list) -> str:
     for old, new in cuts:
         base = base.replace(old, new)
@@ -89,10 +97,7 @@ def _cut(base: str, cuts: list) -> str:
 
 def ablations(args) -> None:
     base = K._PARTIAL_BODY
-    for cut in ABLATIONS.values():
-        for old, _ in cut:
-            if base.count(old) != 1:
-                raise SystemExit(f"the kernel source no longer has exactly one {old!r}")
+    _check_cuts(base, ABLATIONS.values())
     scale = 1 / math.sqrt(D)
     for n in args.contexts:
         caches, qs, pend = decode_inputs(n, SETS, LAYERS, H, G, D)
@@ -198,6 +203,12 @@ def stamped_body(body: str) -> str:
     return f"  constexpr int NSTAMP = {NS};\n" + _STAMP_MACRO + body
 
 
+def stamped_source(src):
+    """The partial kernel's KernelSource `src` with the timeline stamps and their output,
+    `tstamp` (uint32, 2 * NS per threadgroup), after its own outputs."""
+    return dataclasses.replace(src, outputs=(*src.outputs, "tstamp"), body=stamped_body(src.body))
+
+
 def _flush_l2() -> None:
     junk = mx.zeros((1 << 26,), mx.float32)  # 256 MB, several times the L2
     mx.eval(junk + 1)
@@ -287,10 +298,7 @@ def timeline(args) -> None:
             raise SystemExit(f"--constants: the kernels module has no integer setting {name}")
         setattr(K, name, int(value))
     arms = {"default": []} | {k: ABLATIONS[k] for k in args.arms}
-    for cut in arms.values():
-        for old, _ in cut:
-            if base.count(old) != 1:
-                raise SystemExit(f"the kernel source no longer has exactly one {old!r}")
+    _check_cuts(base, arms.values())
     scale = 1 / math.sqrt(D)
     for n in args.contexts:
         caches, qs, pend = decode_inputs(n, 1, 1, H, G, D)
@@ -302,10 +310,7 @@ def timeline(args) -> None:
             finally:
                 K._PARTIAL_BODY = base
                 K.clear_memos(caches)
-            src = a["sources"][0]
-            src = dataclasses.replace(
-                src, outputs=(*src.outputs, "tstamp"), body=stamped_body(src.body)
-            )
+            src = stamped_source(a["sources"][0])
             kernel = mx.fast.cuda_kernel(
                 name=src.kernel_name + "_stamped",
                 input_names=list(src.inputs),
