@@ -1038,7 +1038,7 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
         # walks in batches of VPF
         "VPF": math.gcd(VALUE_PREFETCH, r * vm),
         "KCH": kch,
-        "KCW": kw if kch == km else kch * lay.key_bits // 32,  # code words per chunk
+        "KCW": kch * lay.key_bits // 32,  # code words per chunk (rows are whole words)
         "NTAY": PHASE_TAYLOR_ORDER + 1,
         "PHASE_PARAM": PHASE_PARAM,
         "VCROSS": 32 % lay.value_bits != 0,
