@@ -140,9 +140,9 @@ def ablations(args) -> None:
 # before the group's running max and sum are written.
 STAMP_NAMES = [
     "start",
-    "queries loaded",
+    "queries, codebooks",
     "Hadamard",
-    "codebooks loaded",
+    "setup barrier",
     "tile 0 phase table",
     "tile 0 scores",
     "tile 0 softmax",
@@ -152,9 +152,9 @@ STAMP_NAMES = [
     "last tile softmax",
     "last tile values",
     "end",
-    "exact scores",
-    "exact softmax",
-    "exact value sums",
+    "exact queries",
+    "exact tokens",
+    "exact merged",
 ]
 NS = len(STAMP_NAMES) + 1  # the last slot holds the SM id
 _TI = "(min((tile - t_begin) / (TILE * R), 1) * 4)"
@@ -162,18 +162,24 @@ _TI = "(min((tile - t_begin) / (TILE * R), 1) * 4)"
 # exactly once.
 _RESCALE = "      VQ_UNROLL\n      for (int g = 0; g < G; ++g) {\n        const float al"
 _PHASE_END = "              s[r][g] += v;\n            }\n          }\n        }\n      }\n"
-_EXACT_OUT = "    VQ_UNROLL\n    for (int n = 0; n < ND; ++n) {\n      const int d"
+_HADAMARD = (
+    "    VQ_UNROLL\n    for (int gi = 0; gi < GW; ++gi) {\n"
+    "      const int g = (int)vq_warp + gi * NWARPS;\n      if (g < G) {"
+)
+_EXACT_OUT = (
+    "    for (int i = (int)vq_tid; i < G * D; i += TILE) {\n      part_o[(split * HQ + h * G)"
+)
 STAMPS = [
     (0, "const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;\n", ""),
-    (1, "    s_lrun[vq_tid] = 0.0f;\n  }\n  VQ_BARRIER();\n", ""),
-    (2, "        VQ_BARRIER();\n      }\n    }\n", ""),
+    (1, "", _HADAMARD),
+    (2, "", "    if (QS > G * KD) {"),
     (3, "    VQ_BARRIER();\n\n", "    // key code rows read"),
     (f"4 + {_TI}", "          VQ_BARRIER();\n        }\n      }\n", ""),
     (f"5 + {_TI}", _PHASE_END, ""),
     (f"6 + {_TI}", "      VQ_BARRIER();\n", _RESCALE),
     (f"7 + {_TI}", "      VQ_BARRIER();\n", "    }\n    // reduce the TG token strides'"),
-    (13, "      VQ_BARRIER();\n      float s[1][G];\n", ""),
-    (14, "      VQ_BARRIER();\n", "      // out[g][d] += sum_t"),
+    (13, "    VQ_BARRIER();\n", "    const int n_fp"),
+    (14, "", "    // merge the SIMD groups"),
     (15, "      VQ_BARRIER();\n    }\n", _EXACT_OUT),
     (12, "", "  if (vq_tid < G) {\n    part_m[split * HQ"),
 ]
@@ -281,7 +287,7 @@ def _report_timeline(st: np.ndarray, n_splits: int) -> None:
         f"{np.percentile(last, 90):6.2f} {last.max():6.2f}"
     )
     print("    exact groups, us per phase (median / max):")
-    for a, b in ((0, 1), (1, 13), (13, 14), (14, 15), (15, 12), (0, 12)):
+    for a, b in ((0, 13), (13, 14), (14, 15), (15, 12), (0, 12)):
         v = phase(a, b, exact)
         if v.size:
             name = f"{STAMP_NAMES[a]:>18} -> {STAMP_NAMES[b]:<18}"

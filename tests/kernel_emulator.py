@@ -152,6 +152,7 @@ _METAL_SHIM = (
 #define threadgroup
 #define constant
 typedef unsigned int uint;
+typedef unsigned short ushort;
 typedef vq_half half;
 typedef vq_bf16 bfloat16_t;
 struct uint3 { unsigned x, y, z; };
@@ -165,6 +166,7 @@ inline float simd_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = std::fmax(x, vq_emu_shfl_xor(x, o));
   return x;
 }
+inline float simd_shuffle_xor(float x, unsigned short m) { return vq_emu_shfl_xor(x, m); }
 namespace metal {
 inline float exp2(float x) { return std::exp2(x); }
 inline float fmax(float a, float b) { return std::fmax(a, b); }

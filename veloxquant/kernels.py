@@ -23,6 +23,7 @@ The dialect (what a body may use besides plain C arithmetic):
     VQ_UNROLL_BY(n)     unroll the next loop n iterations at a time
     VQ_F2(a, b), VQ_F4  float2 / float4 constructors (members .x .y .z .w on both backends)
     vq_simd_sum/max(x)  reductions over the 32 lanes of a SIMD group (all lanes take part)
+    vq_shfl_xor(x, m)   x of lane (lane ^ m) of the SIMD group (all lanes take part)
     vq_exp2, VQ_FMAX, VQ_FMIN, VQ_SINCOS(x, s, c) (accurate), VQ_FAST_SINCOS (small angles)
     uint, uint8_t, uint32_t, half; dtype constants (e.g. Q_T) are `using` aliases.
 Both backends have 32-wide SIMD groups and at least 32 KB of threadgroup memory, which is what
@@ -77,6 +78,9 @@ __device__ inline float vq_simd_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
+__device__ inline float vq_shfl_xor(float x, int mask) {
+  return __shfl_xor_sync(0xffffffffu, x, mask);
+}
 #endif
 """
 
@@ -106,6 +110,7 @@ using namespace metal;
 #define VQ_FAST_SINCOS(x, s, c) (s) = metal::fast::sincos((x), (c))
 inline float vq_simd_sum(float x) { return simd_sum(x); }
 inline float vq_simd_max(float x) { return simd_max(x); }
+inline float vq_shfl_xor(float x, int mask) { return simd_shuffle_xor(x, (ushort)mask); }
 #endif
 """
 

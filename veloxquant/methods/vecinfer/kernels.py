@@ -85,11 +85,9 @@ VALUE_PREFETCH = 16
 # beyond that: rounded up to whole 32-bit words of codes, and all KM when that does not divide
 # them (so fewer than this when KM is smaller).
 KEY_CHUNK = 16
-# Exact tokens (sinks, window, new) a SIMD group scores at a time, and whose values each
-# thread loads before summing them: all their loads in flight at once. Larger key batches timed
-# slower from cold caches (benchmarks/results/exact-tokens-value-loop-h200.txt).
-EXACT_KEY_BATCH = 2
-EXACT_VALUE_BATCH = 16
+# Exact tokens (sinks, window, new) a SIMD group loads at a time, keys and values together, all
+# their loads in flight at once.
+EXACT_BATCH = 2
 # The RoPE phase of the key mean: pairs whose angle turns by at most PHASE_TAYLOR_ANGLE over a
 # tile (the slow, low-frequency ones: 31 of Llama-3's 64 over a 256-token tile) are summed as
 # one polynomial of this order in the token's offset instead of term by term; the truncation error,
@@ -274,40 +272,29 @@ _PARTIAL_BODY = (
   VQ_TG float* s_qtf = reinterpret_cast<VQ_TG float*>(s_qt);
   VQ_TG float* s_wf = reinterpret_cast<VQ_TG float*>(s_w);
 
-  for (int i = (int)vq_tid; i < G * D; i += TILE) {
-    s_q[i] = static_cast<float>(q[(h * G) * D + i]) * qscale;
-  }
   if (vq_tid < G) {
     s_mrun[vq_tid] = NEG;
     s_lrun[vq_tid] = 0.0f;
   }
-  VQ_BARRIER();
 
   if (split < n_splits) {
-    // ---- a split of coded tokens: q~ = Had(q * lambda), in the [m][g][i] layout (built in
-    // the p buffer, which no tile uses yet)
-    VQ_TG float* s_h = s_p;
-    for (int i = (int)vq_tid; i < G * D; i += TILE) {
-      s_h[i] = s_q[i] * static_cast<float>(smooth[h * D + (i % D)]);
-    }
-    VQ_BARRIER();
-    if (HAD) {
-      for (int len = 1; len < D; len <<= 1) {
-        for (int idx = (int)vq_tid; idx < G * D / 2; idx += TILE) {
-          const int g = idx / (D / 2), pp = idx % (D / 2);
-          const int i = g * D + (pp / len) * 2 * len + (pp % len);
-          const float a = s_h[i], b = s_h[i + len];
-          s_h[i] = a + b;
-          s_h[i + len] = a - b;
-        }
-        VQ_BARRIER();
+    // ---- a split of coded tokens. The setup's global reads are issued together (this lane's
+    // query and smoothing elements, then the codebooks), and q~ = Had(q * lambda) is formed in
+    // registers: a SIMD group per query head, lane l holding elements l * QE .. l * QE + QE - 1,
+    // the butterflies within a lane first and then across lanes by shuffles. Done in
+    // threadgroup memory, the setup was a chain of dependent loads and eight barriers before
+    // the first token.
+    float qx[GW][QE], sx[QE];
+    VQ_UNROLL
+    for (int gi = 0; gi < GW; ++gi) {
+      const int g = (int)vq_warp + gi * NWARPS;
+      VQ_UNROLL
+      for (int e = 0; e < QE; ++e) {
+        qx[gi][e] = g < G ? static_cast<float>(q[(h * G + g) * D + (int)vq_lane * QE + e]) : 0.0f;
       }
     }
-    for (int idx = (int)vq_tid; idx < KM * QS; idx += TILE) {
-      const int m = idx / QS, k = idx % QS;
-      const int g = k / KD, i = k % KD;
-      s_qtf[idx] = k < G * KD ? s_h[g * D + m * KD + i] * (HAD ? INV_SQRT_D : 1.0f) : 0.0f;
-    }
+    VQ_UNROLL
+    for (int e = 0; e < QE; ++e) sx[e] = static_cast<float>(smooth[h * D + (int)vq_lane * QE + e]);
     const int kbook = KBOOKS > 1 ? h : 0;
     for (int i = (int)vq_tid; i < KCODES * KREP; i += TILE) {
       const int base = (kbook * KCODES + i / KREP) * KD;
@@ -317,6 +304,53 @@ _PARTIAL_BODY = (
     for (int i = (int)vq_tid; i < VCODES * VREP; i += TILE) {
       const int base = (vbook * VCODES + i / VREP) * VD;
       s_vb[i] = VLOAD;
+    }
+    VQ_UNROLL
+    for (int gi = 0; gi < GW; ++gi) {
+      const int g = (int)vq_warp + gi * NWARPS;
+      if (g < G) {  // the same for the whole SIMD group, as its shuffles need
+        float x[QE];
+        VQ_UNROLL
+        for (int e = 0; e < QE; ++e) {
+          const float qs = qx[gi][e] * qscale;
+          s_q[g * D + (int)vq_lane * QE + e] = qs;
+          x[e] = qs * sx[e];
+        }
+        if (HAD) {
+          VQ_UNROLL
+          for (int len = 1; len < QE; len <<= 1) {
+            VQ_UNROLL
+            for (int e = 0; e < QE; ++e) {
+              if ((e & len) == 0) {
+                const float a = x[e], b = x[e + len];
+                x[e] = a + b;
+                x[e + len] = a - b;
+              }
+            }
+          }
+          VQ_UNROLL
+          for (int len = QE; len < D; len <<= 1) {
+            const int mask = len / QE;
+            const bool upper = ((int)vq_lane & mask) != 0;
+            VQ_UNROLL
+            for (int e = 0; e < QE; ++e) {
+              const float y = vq_shfl_xor(x[e], mask);
+              x[e] = upper ? y - x[e] : x[e] + y;
+            }
+          }
+        }
+        // q~ in the [m][g][i] layout the key loop reads
+        VQ_UNROLL
+        for (int e = 0; e < QE; ++e) {
+          const int n = (int)vq_lane * QE + e;
+          s_qtf[(n / KD) * QS + g * KD + n % KD] = x[e] * (HAD ? INV_SQRT_D : 1.0f);
+        }
+      }
+    }
+    if (QS > G * KD) {  // the padding of each sub-space's row
+      for (int idx = (int)vq_tid; idx < KM * (QS - G * KD); idx += TILE) {
+        s_qtf[(idx / (QS - G * KD)) * QS + G * KD + idx % (QS - G * KD)] = 0.0f;
+      }
     }
     VQ_BARRIER();
 
@@ -577,88 +611,104 @@ _PARTIAL_BODY = (
       part_o[(split * HQ + h * G) * D + idx] = sum;
     }
   } else {
-    // ---- the exact tokens: fp16 sinks, fp16 window, the call's own token(s). A SIMD group
-    // scores FPB tokens at a time (lane i holds elements i, i + 32, ...: coalesced loads,
-    // summed across the lanes; all FPB tokens' loads issued before the sums) into s_fs, then
-    // one thread per token runs the softmax. Up to 16K-token contexts this threadgroup is
-    // the launch's longest, so its chain of loads is the kernel's time: one thread walking
-    // its token's whole row made that chain D loads long.
+    // ---- the exact tokens: fp16 sinks, fp16 window, the call's own token(s). Each SIMD group
+    // walks its own share of them, FPB tokens at a time, with an online softmax of its own;
+    // the SIMD groups merge once at the end. A lane holds elements d = e * 32 + lane of a row
+    // (coalesced loads), a token's key and value rows are loaded together after one choice of
+    // sink / window / new per token, and every load of a batch is issued before its sums: up
+    // to 16K-token contexts this threadgroup was the launch's longest, and its time was
+    // rounds of dependent loads and the instructions of a per-element choice, not arithmetic.
+    for (int i = (int)vq_tid; i < G * D; i += TILE) {
+      s_q[i] = static_cast<float>(q[(h * G) * D + i]) * qscale;
+    }
+    VQ_BARRIER();
     const int n_fp = n_sink + n_win + n_new;
-    VQ_TG float* s_fs = s_acc;  // [TILE][G] scores of the tile's tokens
-    float acc[G][ND];           // output elements (g, d) for d = tid, tid + TILE, ...
+    float mw[G], lw[G], ow[G][DE];
     VQ_UNROLL
     for (int g = 0; g < G; ++g) {
+      mw[g] = NEG;
+      lw[g] = 0.0f;
       VQ_UNROLL
-      for (int n = 0; n < ND; ++n) acc[g][n] = 0.0f;
+      for (int e = 0; e < DE; ++e) ow[g][e] = 0.0f;
     }
-    for (int tile = 0; tile < n_fp; tile += TILE) {
-      const int tile_len = min(TILE, n_fp - tile);
-      for (int t0 = (int)vq_warp * FPB; t0 < tile_len; t0 += NWARPS * FPB) {
-        float kd[FPB][D / 32];
-        VQ_UNROLL
-        for (int b = 0; b < FPB; ++b) {
+    const int lane = (int)vq_lane;
+    for (int t0 = (int)vq_warp * FPB; t0 < n_fp; t0 += NWARPS * FPB) {
+      float kx[FPB][DE], vx[FPB][DE];
+      VQ_UNROLL
+      for (int b = 0; b < FPB; ++b) {
+        const int t = t0 + b;
+        if (t < n_sink) {
+          EXACT_ROW(sink_k, sink_v, (h * n_sink + t) * D)
+        } else if (t < n_sink + n_win) {
+          EXACT_ROW(win_k, win_v, (h * wcap + t - n_sink) * D)
+        } else if (t < n_fp) {
+          EXACT_ROW(new_k, new_v, (h * n_new + t - n_sink - n_win) * D)
+        } else {
           VQ_UNROLL
-          for (int e = 0; e < D / 32; ++e) {
-            const int t = tile + t0 + b, d = e * 32 + (int)vq_lane;
-            kd[b][e] = t0 + b < tile_len ? FP_AT(sink_k, win_k, new_k, t, d) : 0.0f;
-          }
-        }
-        VQ_UNROLL
-        for (int b = 0; b < FPB; ++b) {
-          VQ_UNROLL
-          for (int g = 0; g < G; ++g) {
-            float part = 0.0f;
-            VQ_UNROLL
-            for (int e = 0; e < D / 32; ++e) part += s_q[g * D + e * 32 + (int)vq_lane] * kd[b][e];
-            const float sc = vq_simd_sum(part);
-            if (vq_lane == 0 && t0 + b < tile_len) s_fs[(t0 + b) * G + g] = sc;
-          }
+          for (int e = 0; e < DE; ++e) kx[b][e] = vx[b][e] = 0.0f;
         }
       }
-      VQ_BARRIER();
-      float s[1][G];
       VQ_UNROLL
       for (int g = 0; g < G; ++g) {
-        s[0][g] = (int)vq_tid < tile_len ? s_fs[(int)vq_tid * G + g] : NEG;
-      }
-"""
-    + _SOFTMAX_TILE.replace("RPT", "1")
-    + """
-      VQ_BARRIER();
-      // out[g][d] += sum_t p[t][g] v[t][d] for this thread's dims, FPV tokens' loads issued
-      // before their sums (p of tokens past the tile's end is 0)
-      VQ_UNROLL
-      for (int g = 0; g < G; ++g) {
+        float sc[FPB];
+        float m_new = mw[g];
         VQ_UNROLL
-        for (int n = 0; n < ND; ++n) acc[g][n] *= s_alpha[g];
-      }
-      for (int t0 = 0; t0 < tile_len; t0 += FPV) {
+        for (int b = 0; b < FPB; ++b) {
+          float part = 0.0f;
+          VQ_UNROLL
+          for (int e = 0; e < DE; ++e) part += s_q[g * D + e * 32 + lane] * kx[b][e];
+          const float full = vq_simd_sum(part);
+          sc[b] = t0 + b < n_fp ? full : NEG;
+          m_new = VQ_FMAX(m_new, sc[b]);
+        }
+        const float al = vq_exp2(mw[g] - m_new);
+        mw[g] = m_new;
+        lw[g] *= al;
         VQ_UNROLL
-        for (int n = 0; n < ND; ++n) {
-          const int d = (int)vq_tid + n * TILE;
-          if (d < D) {
-            float vv[FPV];
-            VQ_UNROLL
-            for (int u = 0; u < FPV; ++u) {
-              vv[u] = t0 + u < tile_len ? FP_AT(sink_v, win_v, new_v, tile + t0 + u, d) : 0.0f;
-            }
-            VQ_UNROLL
-            for (int u = 0; u < FPV; ++u) {
-              VQ_UNROLL
-              for (int g = 0; g < G; ++g) acc[g][n] += s_p[(t0 + u) * GP + g] * vv[u];
-            }
-          }
+        for (int e = 0; e < DE; ++e) ow[g][e] *= al;
+        VQ_UNROLL
+        for (int b = 0; b < FPB; ++b) {
+          const float p = sc[b] > 0.5f * NEG ? vq_exp2(sc[b] - m_new) : 0.0f;
+          lw[g] += p;
+          VQ_UNROLL
+          for (int e = 0; e < DE; ++e) ow[g][e] += p * vx[b][e];
         }
       }
-      VQ_BARRIER();
     }
+    // merge the SIMD groups: the largest max, then each group's share added in turn into
+    // s_acc [G][D] (one barrier per SIMD group; once per launch)
+    if (vq_lane == 0) {
+      VQ_UNROLL
+      for (int g = 0; g < G; ++g) s_red[vq_warp * G + g] = mw[g];
+    }
+    VQ_BARRIER();
+    float wscale[G];
     VQ_UNROLL
-    for (int n = 0; n < ND; ++n) {
-      const int d = (int)vq_tid + n * TILE;
-      VQ_UNROLL
-      for (int g = 0; g < G; ++g) {
-        if (d < D) part_o[(split * HQ + h * G + g) * D + d] = acc[g][n];
+    for (int g = 0; g < G; ++g) {
+      float mm = s_red[g];
+      for (int w = 1; w < NWARPS; ++w) mm = VQ_FMAX(mm, s_red[w * G + g]);
+      wscale[g] = vq_exp2(mw[g] - mm);
+      if (vq_tid == 0) {
+        s_mrun[g] = mm;
+        s_lrun[g] = 0.0f;
       }
+    }
+    for (int w = 0; w < NWARPS; ++w) {
+      if ((int)vq_warp == w) {
+        VQ_UNROLL
+        for (int g = 0; g < G; ++g) {
+          VQ_UNROLL
+          for (int e = 0; e < DE; ++e) {
+            const int i = g * D + e * 32 + lane;
+            s_acc[i] = (w == 0 ? 0.0f : s_acc[i]) + wscale[g] * ow[g][e];
+          }
+          if (lane == 0) s_lrun[g] += wscale[g] * lw[g];
+        }
+      }
+      VQ_BARRIER();
+    }
+    for (int i = (int)vq_tid; i < G * D; i += TILE) {
+      part_o[(split * HQ + h * G) * D + i] = s_acc[i];
     }
   }
   if (vq_tid < G) {
@@ -668,11 +718,15 @@ _PARTIAL_BODY = (
 """
 )
 
-# An exact token's element: sinks, then the window, then the call's own tokens.
-_FP_AT = """
-#define FP_AT(S, W, N, t, d) ((t) < n_sink ? static_cast<float>(S[(h * n_sink + (t)) * D + (d)]) \\
-  : ((t) < n_sink + n_win ? static_cast<float>(W[(h * wcap + (t) - n_sink) * D + (d)]) \\
-  : static_cast<float>(N[(h * n_new + (t) - n_sink - n_win) * D + (d)])))
+# This lane's elements of exact token b's key and value rows, from row offset `row` of K / V (the
+# sinks', the window's or the call's own tokens).
+_EXACT_ROW = """
+#define EXACT_ROW(K, V, row) \\
+  VQ_UNROLL \\
+  for (int e = 0; e < DE; ++e) { \\
+    kx[b][e] = static_cast<float>(K[(row) + e * 32 + lane]); \\
+    vx[b][e] = static_cast<float>(V[(row) + e * 32 + lane]); \\
+  }
 """
 
 # The combine's statements (its one threadgroup array, s_x[D], is declared by the caller: the
@@ -1025,11 +1079,10 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
             )
             // 16
         ),
-        "ND": -(-lay.head_dim // TILE),
-        "FPB": EXACT_KEY_BATCH,
-        # a divisor of TILE: the exact value loop reads p of FPV tokens at a time, and p is
-        # written (0 past the tile's end) for TILE tokens only
-        "FPV": math.gcd(EXACT_VALUE_BATCH, TILE),
+        "DE": lay.head_dim // 32,  # a row's elements per lane (exact tokens)
+        "QE": lay.head_dim // 32,  # ... and of a query head's (its Hadamard in registers)
+        "GW": -(-lay.group // (TILE // 32)),  # query heads per SIMD group in that Hadamard
+        "FPB": EXACT_BATCH,
         "KVEC": _VEC[lay.key_sub_dim],
         "KLV": klv,
         "KLVEC": _WORDS[klv],
@@ -1067,7 +1120,7 @@ def _attention_kernel_sources(
         name="vq_vecinfer_attn_partial",
         inputs=PARTIAL_INPUTS,
         outputs=("part_m", "part_l", "part_o"),
-        body=_FP_AT
+        body=_EXACT_ROW
         + _PARTIAL_BODY.replace("KLOAD", _load_expr(lay.key_sub_dim, "key_book")).replace(
             "VLOAD", _load_expr(lay.value_sub_dim, "value_book")
         ),
