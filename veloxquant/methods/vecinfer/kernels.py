@@ -318,7 +318,8 @@ _PARTIAL_BODY = (
         }
         if (HAD) {
           VQ_UNROLL
-          for (int len = 1; len < QE; len <<= 1) {
+          for (int st = 0; st < QLOG; ++st) {  // strides 1 .. QE / 2, within the lane
+            const int len = 1 << st;
             VQ_UNROLL
             for (int e = 0; e < QE; ++e) {
               if ((e & len) == 0) {
@@ -329,8 +330,8 @@ _PARTIAL_BODY = (
             }
           }
           VQ_UNROLL
-          for (int len = QE; len < D; len <<= 1) {
-            const int mask = len / QE;
+          for (int st = 0; st < 5; ++st) {  // strides QE .. D / 2: lane masks 1 .. 16
+            const int mask = 1 << st;
             const bool upper = ((int)vq_lane & mask) != 0;
             VQ_UNROLL
             for (int e = 0; e < QE; ++e) {
@@ -348,8 +349,8 @@ _PARTIAL_BODY = (
       }
     }
     if (QS > G * KD) {  // the padding of each sub-space's row
-      for (int idx = (int)vq_tid; idx < KM * (QS - G * KD); idx += TILE) {
-        s_qtf[(idx / (QS - G * KD)) * QS + G * KD + idx % (QS - G * KD)] = 0.0f;
+      for (int idx = (int)vq_tid; idx < KM * QS; idx += TILE) {
+        if (idx % QS >= G * KD) s_qtf[idx] = 0.0f;
       }
     }
     VQ_BARRIER();
@@ -1082,6 +1083,7 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
         "DE": lay.head_dim // 32,  # a row's elements per lane (exact tokens)
         "QE": lay.head_dim // 32,  # ... and of a query head's (its Hadamard in registers)
         "GW": -(-lay.group // (TILE // 32)),  # query heads per SIMD group in that Hadamard
+        "QLOG": (lay.head_dim // 32).bit_length() - 1,  # log2(QE)
         "FPB": EXACT_BATCH,
         "KVEC": _VEC[lay.key_sub_dim],
         "KLV": klv,
