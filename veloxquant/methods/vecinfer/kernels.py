@@ -86,7 +86,8 @@ VALUE_PREFETCH = 16
 # them (so fewer than this when KM is smaller).
 KEY_CHUNK = 16
 # Exact tokens (sinks, window, new) a SIMD group loads at a time, keys and values together, all
-# their loads in flight at once.
+# their loads in flight at once. 4 took 102 registers and was no faster from cold caches; 1 no
+# faster either (benchmarks/results/exact-tokens-per-simd-group-h200.txt).
 EXACT_BATCH = 2
 # The RoPE phase of the key mean: pairs whose angle turns by at most PHASE_TAYLOR_ANGLE over a
 # tile (the slow, low-frequency ones: 31 of Llama-3's 64 over a 256-token tile) are summed as
@@ -160,19 +161,18 @@ class Layout:
 # ---------------------------------------------------------------------------------------------
 # Kernel sources
 
-# Online-softmax update of one tile, shared by the coded and the exact threadgroups: `s[r][g]`
-# is the score (log2 units) of this thread's token r for head g (NEG when it has none). Leaves
-# p = exp2(s - m_run) in s_p[(vq_tid * RPT + r) * GP + g] and the factor that rescales what was
-# accumulated before in s_alpha; RPT is the tokens per thread of the caller. A token's GP
-# probabilities are stored as float4s: scalar stores at the 4·RPT·GP-byte stride between
-# threads hit the same banks (16-way at the 8B shape's 64 bytes; ncu counted 69% of the shared
-# store wavefronts as conflicts).
+# Online-softmax update of one tile of coded tokens: `s[r][g]` is the score (log2 units) of this
+# thread's token r for head g (NEG when it has none). Leaves p = exp2(s - m_run) in s_p4 (as
+# floats: [(vq_tid * R + r) * GP + g]) and the factor that rescales what was accumulated before
+# in s_alpha. A token's GP probabilities are stored as float4s: scalar stores at the 4·R·GP-byte
+# stride between threads hit the same banks (16-way at the 8B shape's 64 bytes; ncu counted 69%
+# of the shared store wavefronts as conflicts).
 _SOFTMAX_TILE = """
     VQ_UNROLL
     for (int g = 0; g < G; ++g) {
       float tmax = s[0][g];
       VQ_UNROLL
-      for (int r = 1; r < RPT; ++r) tmax = VQ_FMAX(tmax, s[r][g]);
+      for (int r = 1; r < R; ++r) tmax = VQ_FMAX(tmax, s[r][g]);
       const float wmax = vq_simd_max(tmax);
       if (vq_lane == 0) s_red[vq_warp * G + g] = wmax;
     }
@@ -185,13 +185,13 @@ _SOFTMAX_TILE = """
       s_mrun[vq_tid] = m_new;
     }
     VQ_BARRIER();
-    float pr[RPT][GP];
+    float pr[R][GP];
     VQ_UNROLL
     for (int g = 0; g < G; ++g) {
       const float mg = s_mrun[g];
       float tsum = 0.0f;
       VQ_UNROLL
-      for (int r = 0; r < RPT; ++r) {
+      for (int r = 0; r < R; ++r) {
         const float p = s[r][g] > 0.5f * NEG ? vq_exp2(s[r][g] - mg) : 0.0f;
         pr[r][g] = p;
         tsum += p;
@@ -200,12 +200,12 @@ _SOFTMAX_TILE = """
       if (vq_lane == 0) s_red[vq_warp * G + g] = wsum;
     }
     VQ_UNROLL
-    for (int r = 0; r < RPT; ++r) {
+    for (int r = 0; r < R; ++r) {
       VQ_UNROLL
       for (int g = G; g < GP; ++g) pr[r][g] = 0.0f;  // padding of the last float4
       VQ_UNROLL
       for (int k = 0; k < GP / 4; ++k) {
-        s_p4[((int)vq_tid * RPT + r) * (GP / 4) + k] =
+        s_p4[((int)vq_tid * R + r) * (GP / 4) + k] =
             VQ_F4(pr[r][4 * k], pr[r][4 * k + 1], pr[r][4 * k + 2], pr[r][4 * k + 3]);
       }
     }
@@ -268,7 +268,6 @@ _PARTIAL_BODY = (
   VQ_SHARED float4 s_big[BIG4];                    // key codebook copies, then the reduction
   VQ_TG KVEC* s_kb = reinterpret_cast<VQ_TG KVEC*>(s_big);
   VQ_TG float* s_acc = reinterpret_cast<VQ_TG float*>(s_big);
-  VQ_TG float* s_p = reinterpret_cast<VQ_TG float*>(s_p4);
   VQ_TG float* s_qtf = reinterpret_cast<VQ_TG float*>(s_qt);
   VQ_TG float* s_wf = reinterpret_cast<VQ_TG float*>(s_w);
 
@@ -519,7 +518,7 @@ _PARTIAL_BODY = (
         }
       }
 """
-    + _SOFTMAX_TILE.replace("RPT", "R")
+    + _SOFTMAX_TILE
     + """
       VQ_BARRIER();
       VQ_UNROLL
