@@ -4,7 +4,8 @@ against fused VecInfer caches of the default layout, the GPU kernels replaced by
 returns zeros of the right shapes (so the numbers are Python and MLX op construction, not
 kernels). Interleaved repeats, median [min, max] per layer: the attention call (cache update
 and attention) and the whole step; then the two host functions of a fused layer step alone
-(`attention_inputs`, `launch_attention`; best of 5 x 2000 calls). With `--baseline`, another
+(`attention_inputs`, `launch_attention`; best of 5 x 2000 calls), and `veloxquant.kernels.launch`
+against the same stubbed kernel called directly. With `--baseline`, another
 revision's veloxquant/methods/vecinfer/kernels.py runs beside this tree's (a third arm on the
 same caches, as ab_kernel_revisions.py does).
 
@@ -104,20 +105,32 @@ def main() -> None:
     from bench_kernels import decode_inputs
 
     (cache,), (q,), (pending,) = decode_inputs(args.context, 1, 1, 8, 4, 128)
+
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=2000, repeat=5)) / 2000
+
     for name, (_, kernels) in arms.items():
         if name == "fp16":
             continue
         inputs = kernels.attention_inputs(cache, q, 0.1, pending)
-
-        def best(fn) -> float:
-            return min(timeit.repeat(fn, number=2000, repeat=5)) / 2000
-
         t_in = best(lambda k=kernels: k.attention_inputs(cache, q, 0.1, pending))
         t_launch = best(lambda k=kernels, a=inputs: k.launch_attention(a, q))
         print(
             f"  {name:<8} attention_inputs {t_in * 1e6:.2f} us  launch_attention "
             f"{t_launch * 1e6:.2f} us (2 stubbed launches)"
         )
+    # launch()'s own cost: the partial kernel through it against the same stub called directly
+    a = current.attention_inputs(cache, q, 0.1, pending)
+    src, ins, outs = a["sources"][0], a["partial"], [(8,)] * 3
+    stub = vk.compiled(src, tuple(str(x.dtype) for x in ins))
+    t_wrapped = best(lambda: vk.launch(src, ins, a["groups"], outs, [mx.float32] * 3))
+    t_direct = best(
+        lambda: stub(
+            inputs=ins, grid=(128, 1, 1), threadgroup=(128, 1, 1), output_shapes=outs,
+            output_dtypes=[mx.float32] * 3,
+        )
+    )  # fmt: skip
+    print(f"  launch() {t_wrapped * 1e6:.2f} us, the stub called directly {t_direct * 1e6:.2f} us")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ function), the submission (`mx.async_eval`: MLX encodes each kernel on the calli
 the wait. Variants: a trivial kernel with 2 inputs and one small output; with the partial's 3
 outputs; over its full grid; with all 18 of its inputs; the same padded with 20 KB of comment
 lines (MLX rebuilds and keeps a kernel's whole source with every call); the real partial
-kernel through `veloxquant.kernels.launch`. Interleaved repeats, median [min, max].
+kernel called directly, with its source as generated and with the source's comments,
+indentation and blank lines stripped; the real partial kernel through
+`veloxquant.kernels.launch`. Interleaved repeats, median [min, max].
 
     python benchmarks/bench_submit.py      # MLX on CUDA only
 """
@@ -30,6 +32,17 @@ TRIVIAL = """
 PADDING = "\n".join(f"  // padding line {i:04d} " + "." * 56 for i in range(300))
 
 
+def stripped(source: str) -> str:
+    """`source` without comments, indentation or blank lines (preprocessor lines kept whole)."""
+    lines = []
+    for line in source.splitlines():
+        if not line.lstrip().startswith("#"):
+            line = line.split("//")[0]
+        if line.strip():
+            lines.append(line.strip())
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=10)
@@ -42,12 +55,13 @@ def main() -> None:
     outs = [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)]
     grid = (ns * 128, a["groups"][1], 1)
 
-    def kernel(name, names, source, n_out=3):
+    def kernel(name, names, source, n_out=3, header=""):
         return mx.fast.cuda_kernel(
             name=name,
             input_names=names,
             output_names=["part_m", "part_l", "part_o"][:n_out],
             source=source,
+            header=header,
         )
 
     two = ["q", "iparams"]
@@ -55,6 +69,15 @@ def main() -> None:
     k_two = kernel("vq_probe_2", two, TRIVIAL)
     k_all = kernel("vq_probe_18", list(partial.inputs), TRIVIAL)
     k_padded = kernel("vq_probe_18_padded", list(partial.inputs), TRIVIAL + PADDING)
+    body, header = partial.cuda_body(), partial.header("cuda")
+    k_real = kernel("vq_probe_real", list(partial.inputs), body, header=header)
+    k_stripped = kernel(
+        "vq_probe_stripped", list(partial.inputs), stripped(body), header=stripped(header)
+    )
+    print(
+        f"partial kernel source + header: {len(body) + len(header)} B as generated, "
+        f"{len(stripped(body)) + len(stripped(header))} B stripped"
+    )
 
     def call(k, ins, shapes, g):
         dtypes = [mx.float32] * len(shapes)
@@ -69,6 +92,8 @@ def main() -> None:
         "... the partial's grid": lambda q: call(k_two, [q, inputs[1]], outs, grid),
         "... 18 inputs": lambda q: call(k_all, [q, *inputs[1:]], outs, grid),
         "... + 20 KB of source": lambda q: call(k_padded, [q, *inputs[1:]], outs, grid),
+        "the partial kernel, direct": lambda q: call(k_real, [q, *inputs[1:]], outs, grid),
+        "... its source stripped": lambda q: call(k_stripped, [q, *inputs[1:]], outs, grid),
         "the partial kernel (launch)": lambda q: vk.launch(
             partial, [q, *inputs[1:]], a["groups"], outs, [mx.float32] * 3
         )[0],
