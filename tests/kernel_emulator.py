@@ -30,6 +30,7 @@ CXX = shutil.which("g++")
 
 _COMMON = r"""
 #pragma once
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -95,10 +96,11 @@ inline float vq_emu_shfl_xor(float v, int m) {
   return r;
 }
 template <class F>
-void vq_emu_run(int gx, int gy, int gz, int threads, F&& body) {
+void vq_emu_run(int gx, int gy, int gz, int threads, int reverse, F&& body) {
   for (int z = 0; z < gz; ++z)
     for (int y = 0; y < gy; ++y)
-      for (int x = 0; x < gx; ++x) {
+      for (int i = 0; i < gx; ++i) {
+        const int x = reverse ? gx - 1 - i : i;
         std::barrier<> block(threads);
         std::vector<std::barrier<>*> warps;
         for (int w = 0; w < threads / 32; ++w) warps.push_back(new std::barrier<>(32));
@@ -139,6 +141,12 @@ inline void sincosf(float x, float* s, float* c) { *s = std::sin(x); *c = std::c
 inline float exp2f(float x) { return std::exp2(x); }
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 inline float fminf(float a, float b) { return std::fmin(a, b); }
+template <class T>
+inline T __ldcg(const T* p) { return *p; }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
 namespace cooperative_groups {}
 """
 )
@@ -219,8 +227,9 @@ def _stub(source: KernelSource, backend: str, in_types: list[str], out_types: li
         call = f"{name}({', '.join(args)});"
         pre = ""
     return (
-        'extern "C" void vq_run(void** bufs, int gx, int gy, int gz, int threads) {\n'
-        "  vq_emu_run(gx, gy, gz, threads, [&](unsigned t, unsigned x, unsigned y, unsigned z) {\n"
+        'extern "C" void vq_run(void** bufs, int gx, int gy, int gz, int threads, int rev) {\n'
+        "  vq_emu_run(gx, gy, gz, threads, rev,\n"
+        "             [&](unsigned t, unsigned x, unsigned y, unsigned z) {\n"
         f"    {pre}\n    {call}\n  }});\n}}\n"
     )
 
@@ -273,10 +282,13 @@ def run(
     grid: tuple[int, int, int],
     output_shapes: list[tuple[int, ...]],
     output_dtypes: list[str],
+    reverse: bool = False,
 ) -> list[np.ndarray]:
     """Run `source` on numpy inputs (dtypes float32/float16/uint8/int32, or bfloat16 given as
-    uint16 bit patterns with name 'bfloat16' in `output_dtypes`); grid counts threadgroups.
-    Outputs are pre-filled with NaN (or 0xAB bytes) so an unwritten element shows."""
+    uint16 bit patterns with name 'bfloat16' in `output_dtypes`); grid counts threadgroups,
+    which run one at a time, in grid order (x fastest, descending with `reverse`: kernels whose
+    threadgroups hand over to the last one to finish must work in any order). Outputs are
+    pre-filled with NaN (or 0xAB bytes) so an unwritten element shows."""
     names = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
     names.update({np.dtype(np.uint8): "uint8", np.dtype(np.int32): "int32"})
     names[np.dtype(np.uint32)] = "uint32"
@@ -294,5 +306,5 @@ def run(
             o.view(np.uint8).fill(0xAB)
         outs.append(o)
     ptrs = (ctypes.c_void_p * (len(ins) + len(outs)))(*[a.ctypes.data for a in ins + outs])
-    lib.vq_run(ptrs, grid[0], grid[1], grid[2], source.threads)
+    lib.vq_run(ptrs, grid[0], grid[1], grid[2], source.threads, int(reverse))
     return outs

@@ -190,13 +190,22 @@ def _pending_after_one_token(caches: list, layer: int, seed: int, steps: int = 0
     return c, pending, q
 
 
-def _emulated_attention(backend: str, cache, q, pending, r: int):
+def _emulated_attention(
+    backend: str, cache, q, pending, r: int, launches: int = 2, reverse: bool = False
+):
     """(output [1, H_q, 1, D], the leaving token's (key, value) codes or None, the window ring
     (keys, values) after the launch), as `K.launch_attention` computes them, with the kernels
-    run by the emulator. In place (K.WRITE_IN_PLACE), the codes are read back from the code
-    buffers the launch wrote, at row pending["n_coded"]; every other row must be unchanged."""
-    a = K.attention_inputs(cache, q, 1 / math.sqrt(q.shape[-1]), pending, r=r)
+    run by the emulator: the partial and the combine, or with `launches` 1 the one-launch
+    kernel (its threadgroups run in descending order with `reverse`, so that a coded split,
+    not the exact threadgroup, is the last to finish). In place (K.WRITE_IN_PLACE), the codes
+    are read back from the code buffers the launch wrote, at row pending["n_coded"]; every
+    other row must be unchanged."""
+    a = K.attention_inputs(
+        cache, q, 1 / math.sqrt(q.shape[-1]), pending, r=r, one_launch=launches == 1
+    )
     lay = a["layout"]
+    if launches == 1:
+        return _emulated_one_launch(backend, a, q, pending, reverse)
     partial, second = a["sources"]  # what launch_attention launches
     fresh = K.attention_kernel_sources(lay, mx.float32, r)
     if a["encode"]:
@@ -238,6 +247,29 @@ def _emulated_attention(backend: str, cache, q, pending, r: int):
     return out.reshape(1, n_q, 1, d), (kc, vc), ring
 
 
+def _emulated_one_launch(backend: str, a: dict, q, pending, reverse: bool):
+    (src,) = a["sources"]
+    assert src.name == "vq_vecinfer_attn_one_launch"
+    n_q, d = q.shape[1], q.shape[3]
+    ns = a["n_splits"] + 1
+    shapes = [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,), (n_q * d,)]
+    ins = [np.array(x) for x in a["partial"]]
+    at = {name: ins[i] for i, name in enumerate(src.inputs)}
+    before = [at[name].copy() for name in ("key_codes", "value_codes", "win_k", "win_v")]
+    *_, out = emu.run(src, backend, ins, a["groups"], shapes, ["float32"] * 4, reverse=reverse)
+    assert not at["counter"].any()  # every launch leaves the count at zero for the next
+    if not a["encode"]:
+        for name, old in zip(("key_codes", "value_codes", "win_k", "win_v"), before, strict=True):
+            np.testing.assert_array_equal(at[name], old)
+        return out.reshape(1, n_q, 1, d), None, None
+    row = pending["n_coded"]
+    kbuf, vbuf = at["key_codes"], at["value_codes"]
+    for buf, old in zip((kbuf, vbuf), before[:2], strict=True):
+        np.testing.assert_array_equal(np.delete(buf, row, axis=2), np.delete(old, row, axis=2))
+    codes = (kbuf[:, :, row : row + 1], vbuf[:, :, row : row + 1])
+    return out.reshape(1, n_q, 1, d), codes, (at["win_k"], at["win_v"])
+
+
 def _code_agreement(got: np.ndarray, want: mx.array, bits: int, n_sub: int) -> float:
     got_codes = np.array(unpack_codes(mx.array(got), bits, n_sub))
     return float((got_codes == np.array(unpack_codes(want, bits, n_sub))).mean())
@@ -245,11 +277,15 @@ def _code_agreement(got: np.ndarray, want: mx.array, bits: int, n_sub: int) -> f
 
 @needs_cxx
 # both sources in place (the default); the slice-update variant (the same source but its last
-# writes) on one of them
-@pytest.mark.parametrize("backend,in_place", [("cuda", True), ("metal", True), ("cuda", False)])
+# writes) on one of them; and CUDA's one-launch kernel, whose output and codes must be the
+# two launches' to the bit (the same sums in the same order)
+@pytest.mark.parametrize(
+    "backend,in_place,launches",
+    [("cuda", True, 2), ("metal", True, 2), ("cuda", False, 2), ("cuda", True, 1)],
+)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_emulated_decode_kernels_match_the_twin(
-    backend, name, in_place, smollm2, bundle, prompt, monkeypatch
+    backend, name, in_place, launches, smollm2, bundle, prompt, monkeypatch
 ):
     model, _ = smollm2
     caches = _caches(model, _config(name, bundle), True, monkeypatch)
@@ -271,8 +307,14 @@ def test_emulated_decode_kernels_match_the_twin(
         slot, pos = pending["encode"]
         wk, wv = (np.array(x) for x in pending["win"])
         c._reserve_codes(1)  # as fused_attention does before an in-place launch
-        out, codes, ring = _emulated_attention(backend, c, q, pending, r)
+        reverse = layer > 0  # the one launch: a coded split finishes last, or the exact group
+        out, codes, ring = _emulated_attention(backend, c, q, pending, r, launches, reverse)
         assert np.isfinite(out).all()
+        if launches == 1:
+            two = _emulated_attention(backend, c, q, pending, r, 2)
+            np.testing.assert_array_equal(out, two[0])
+            for got, want in zip((*codes, *ring), (*two[1], *two[2]), strict=True):
+                np.testing.assert_array_equal(got, want)
         np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
         # the window was full: the same launch encoded the token leaving it (ring slot, at its
         # absolute position) as the cache's encoder does
@@ -299,7 +341,7 @@ def test_emulated_decode_kernels_match_the_twin(
         # without a token to encode, the plain combine (the attention does not read the slot's
         # new contents: the ring as it was before this launch)
         plain = {**pending, "encode": None, "win": tuple(mx.array(x) for x in (wk, wv))}
-        out2, none, _ = _emulated_attention(backend, c, q, plain, r)
+        out2, none, _ = _emulated_attention(backend, c, q, plain, r, launches, reverse)
         assert none is None
         np.testing.assert_array_equal(out2, out)
 
@@ -359,6 +401,9 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
         plain = {**pending, "encode": None}
         out, _, _ = _emulated_attention(backend, c, q, plain, r)
         np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
+        if backend == "cuda" and d <= K.TILE:  # one launch: the same bits, in either order
+            one, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            np.testing.assert_array_equal(one, out)
 
 
 @needs_cxx
@@ -405,16 +450,38 @@ def _emulated_launch(source, inputs, grid, output_shapes, output_dtypes):
     return [mx.array(o) for o in outs]
 
 
+def _recording(run, names: list):
+    """emu.run, appending each launched kernel's name to `names`."""
+
+    def recorded(source, *a, **kw):
+        names.append(source.name)
+        return run(source, *a, **kw)
+
+    return recorded
+
+
+def _emulated_launcher(source, input_dtypes):
+    """`veloxquant.kernels.launcher` with the emulator for the GPU."""
+    return lambda *args: _emulated_launch(source, *args)
+
+
 @needs_cxx
-def test_cache_kernel_path_writes_the_cache_in_place(smollm2, bundle, prompt, monkeypatch):
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_cache_kernel_path_writes_the_cache_in_place(
+    one_launch, smollm2, bundle, prompt, monkeypatch
+):
     # The cache's own decode path with the kernels (launches emulated, writing into the
     # cache's buffers in place as on a GPU) against a copy of the cache on the twin, step for
     # step: the ring turns, the code buffers grow (CODE_STEP 8 here), and every output, the
-    # coded count, the codes and the window stay the twin's.
+    # coded count, the codes and the window stay the twin's. With one launch per step (CUDA's
+    # default), the finished-threadgroup count is the cache's own buffer, kept across steps.
     import veloxquant.kernels as vk
 
     model, _ = smollm2
     monkeypatch.setattr(VecInferCache, "CODE_STEP", 8)
+    monkeypatch.setattr(K, "ONE_LAUNCH", one_launch)
+    launched = []
+    monkeypatch.setattr(emu, "run", _recording(emu.run, launched))
     caches = _caches(model, _config("calibrated", bundle), True, monkeypatch)
     _prefill(model, caches, prompt[:, :120])
     kern = caches[5]
@@ -430,6 +497,7 @@ def test_cache_kernel_path_writes_the_cache_in_place(smollm2, bundle, prompt, mo
         with monkeypatch.context() as m:
             m.setattr(vk, "backend", lambda: "cuda")
             m.setattr(vk, "launch", _emulated_launch)
+            m.setattr(vk, "launcher", _emulated_launcher)
             kern.update_and_fetch(k, v)
             got = np.array(kern.fused_attention(q, scale=0.125))
             assert kern.last_attention == "kernel" and kern._last_write is not None
@@ -439,6 +507,9 @@ def test_cache_kernel_path_writes_the_cache_in_place(smollm2, bundle, prompt, mo
     for side in ("window_keys", "window_values"):
         assert mx.array_equal(getattr(kern, side), getattr(twin, side)).item()
     assert kern._last_write is None  # reading the window waited for the last write
+    one = "vq_vecinfer_attn_one_launch"
+    assert launched.count(one) == (20 if one_launch else 0)
+    assert launched.count("vq_vecinfer_attn_partial") == (0 if one_launch else 20)
     lay = K.layout_of(kern, 3 * h)
     agree = _code_agreement(np.array(kern.key_codes), twin.key_codes, lay.key_bits, d // 2)
     assert agree > 0.97
@@ -583,6 +654,27 @@ def test_shallow_copies_do_not_share_writes(smollm2, bundle, prompt, monkeypatch
         assert c.offset == s.offset + 1
         np.testing.assert_array_equal(np.array(c.key_codes), kc)
         np.testing.assert_array_equal(np.array(c.window_keys), wk)
+
+
+def test_one_launch_is_cuda_only_and_within_a_tile_of_threads(monkeypatch):
+    # The one-launch kernel's threadgroups hand their parts over through a device-scope fence,
+    # which Metal lacks: on Metal a step stays two launches, and nothing builds its Metal body;
+    # the merge and the encoder take D of the TILE threads, so larger heads take two launches.
+    import veloxquant.kernels as vk
+
+    lay = _layout()
+    src = K.one_launch_kernel_source(lay, mx.float16, mx.float16)
+    assert src.backends == ("cuda",) and "vq_atomic_inc" in src.cuda_body()
+    with pytest.raises(ValueError, match="written for cuda only"):
+        src.metal_body()
+    for which, head_dim, want in (("cuda", 128, True), ("metal", 128, False), ("cuda", 256, False)):
+        monkeypatch.setattr(vk, "backend", lambda w=which: w)
+        assert K.takes_one_launch(dataclasses.replace(lay, head_dim=head_dim)) is want
+        if which == "metal":
+            with pytest.raises(ValueError, match="written for cuda only"):
+                vk.compiled(src, ("float16",) * len(src.inputs))
+    monkeypatch.setattr(K, "ONE_LAUNCH", False)
+    assert not K.takes_one_launch(lay)
 
 
 @pytest.mark.parametrize("which", ["cuda", "metal"])

@@ -24,6 +24,13 @@ The dialect (what a body may use besides plain C arithmetic):
     VQ_F2(a, b), VQ_F4  float2 / float4 constructors (members .x .y .z .w on both backends)
     vq_simd_sum/max(x)  reductions over the 32 lanes of a SIMD group (all lanes take part)
     vq_shfl_xor(x, m)   x of lane (lane ^ m) of the SIMD group (all lanes take part)
+    vq_load_cg(p)       *p read past the multiprocessor's L1 (on CUDA): for data other
+                        threadgroups of the same launch wrote
+    VQ_DEVICE_FENCE(), vq_atomic_inc(p)  (CUDA only) this thread's global writes ordered
+                        before its later ones device-wide; atomic ++*p returning the old
+                        value. Metal has no device-scope fence before MSL 3.2, so kernels
+                        whose threadgroups hand results to each other within one launch are
+                        CUDA-only (`KernelSource.backends`).
     vq_exp2, VQ_FMAX, VQ_FMIN, VQ_SINCOS(x, s, c) (accurate), VQ_FAST_SINCOS (small angles)
     uint, uint8_t, uint32_t, half; dtype constants (e.g. Q_T) are `using` aliases.
 Both backends have 32-wide SIMD groups and at least 32 KB of threadgroup memory, which is what
@@ -81,6 +88,9 @@ __device__ inline float vq_simd_max(float x) {
 __device__ inline float vq_shfl_xor(float x, int mask) {
   return __shfl_xor_sync(0xffffffffu, x, mask);
 }
+#define vq_load_cg(p) __ldcg(p)
+#define VQ_DEVICE_FENCE() __threadfence()
+#define vq_atomic_inc(p) atomicAdd((p), 1u)
 #endif
 """
 
@@ -111,6 +121,7 @@ using namespace metal;
 inline float vq_simd_sum(float x) { return simd_sum(x); }
 inline float vq_simd_max(float x) { return simd_max(x); }
 inline float vq_shfl_xor(float x, int mask) { return simd_shuffle_xor(x, (ushort)mask); }
+#define vq_load_cg(p) (*(p))
 #endif
 """
 
@@ -196,6 +207,8 @@ class KernelSource:
     constants  name -> int / float / bool / mx.Dtype, baked in as constexpr / using lines.
     threads    threads per threadgroup (1-D).
     helpers    optional portable helper code placed after the prelude (no attribute names).
+    backends   the backends the body is written for ("cuda", "metal"); the others' bodies
+               are refused.
     """
 
     name: str
@@ -205,6 +218,7 @@ class KernelSource:
     constants: dict[str, Any] = field(default_factory=dict)
     threads: int = 128
     helpers: str = ""
+    backends: tuple[str, ...] = ("cuda", "metal")
 
     @functools.cached_property
     def kernel_name(self) -> str:
@@ -219,6 +233,8 @@ class KernelSource:
         return CUDA_PROLOGUE + _constant_lines(self.constants, CUDA_TYPES) + self.body
 
     def metal_body(self) -> str:
+        if "metal" not in self.backends:
+            raise ValueError(f"{self.name} is written for {', '.join(self.backends)} only")
         return METAL_PROLOGUE + _constant_lines(self.constants, METAL_TYPES) + self.body
 
     # -- the whole translation unit MLX would compile (for offline compilers and checks) -----
@@ -302,6 +318,8 @@ def compiled(source: KernelSource, input_dtypes: tuple[str, ...]) -> Any | None:
     which = backend()
     if which is None:
         return None
+    if which not in source.backends:
+        raise ValueError(f"{source.name} is written for {', '.join(source.backends)} only")
     key = (which, source.kernel_name, input_dtypes)
     if key not in _COMPILED:
         name = compiled_name(source, input_dtypes)
@@ -337,27 +355,51 @@ def launch(
     """Run `source` on the current GPU backend. `grid` counts threadgroups (not threads);
     every input must hold at least 8 elements (Metal passes smaller ones in the constant
     address space, which the dialect's `VQ_GLOBAL` casts do not expect)."""
-    # memo by the dtype objects: decode launches a few kernels per layer and token, and
-    # spelling every input's dtype as a string each time was most of launch()'s own cost
-    key = (backend(), source.kernel_name, tuple([x.dtype for x in inputs]))
-    kernel = _LAUNCHERS.get(key)
-    if kernel is None:
-        kernel = compiled(source, tuple(str(d) for d in key[2]))
-        if kernel is None:
-            raise RuntimeError(f"{source.name}: no GPU kernel backend (MLX runs on the CPU)")
-        _LAUNCHERS[key] = kernel
+    check_inputs(source, inputs)
+    run = launcher(source, tuple([x.dtype for x in inputs]))
+    return run(inputs, grid, output_shapes, output_dtypes)
+
+
+def check_inputs(source: KernelSource, inputs: list[mx.array]) -> None:
+    """Raise unless `inputs` are one per input of `source`, each of at least 8 elements."""
     if len(inputs) != len(source.inputs) or min([x.size for x in inputs], default=8) < 8:
         for name, x in zip(source.inputs, inputs, strict=True):
             if x.size < 8:
                 raise ValueError(f"{source.name}: input {name} has {x.size} < 8 elements")
+
+
+def launcher(source: KernelSource, input_dtypes: tuple[mx.Dtype, ...]) -> Any:
+    """`launch` bound to `source` and one set of input dtypes: call it as
+    `run(inputs, grid, output_shapes, output_dtypes)`. For a hot path that launches the same
+    kernel on inputs of the same dtypes at every decode step and has checked them once
+    (`check_inputs`): launch()'s scan of every input's dtype and size, a few microseconds of
+    host time per call, is then not repeated."""
+    # memo by the dtype objects: spelling every input's dtype as a string each call was most of
+    # launch()'s own cost
+    key = (backend(), source.kernel_name, input_dtypes)
+    kernel = _LAUNCHERS.get(key)
+    if kernel is None:
+        kernel = compiled(source, tuple(str(d) for d in input_dtypes))
+        if kernel is None:
+            raise RuntimeError(f"{source.name}: no GPU kernel backend (MLX runs on the CPU)")
+        _LAUNCHERS[key] = kernel
     t = source.threads
-    return kernel(
-        inputs=inputs,
-        grid=(grid[0] * t, grid[1], grid[2]),
-        threadgroup=(t, 1, 1),
-        output_shapes=output_shapes,
-        output_dtypes=output_dtypes,
-    )
+
+    def run(
+        inputs: list[mx.array],
+        grid: tuple[int, int, int],
+        output_shapes: list[tuple[int, ...]],
+        output_dtypes: list[mx.Dtype],
+    ) -> list[mx.array]:
+        return kernel(
+            inputs=inputs,
+            grid=(grid[0] * t, grid[1], grid[2]),
+            threadgroup=(t, 1, 1),
+            output_shapes=output_shapes,
+            output_dtypes=output_dtypes,
+        )
+
+    return run
 
 
 # ---------------------------------------------------------------------------------------------

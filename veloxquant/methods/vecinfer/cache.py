@@ -301,6 +301,8 @@ class VecInferCache(CompressedCache):
         self._sync()
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
+        # and kernel memos of its own: they hold the one-launch kernel's count buffer
+        new._kernel_memo = {}
         buffers = [
             name for name in ("_kbuf", "_vbuf", "_wk", "_wv") if getattr(self, name) is not None
         ]

@@ -729,54 +729,111 @@ _EXACT_ROW = """
   }
 """
 
-# The combine's statements (its one threadgroup array, s_x[D], is declared by the caller: the
-# combine alone, or the combine with the encoder, which shares it).
+# The end of the one-launch kernel (CUDA): after its partial, each threadgroup counts itself in
+# `counter` [H_kv], and the last of KV head h's n_splits + 1 to finish merges the head's G query
+# heads (TILE / D at a time) and sets the count back to 0 for the next launch. The exact
+# threadgroup, the only one that reads the window ring, then encodes the token leaving it in
+# place (iparams[EP] > 0), as the combine with the encoder does. Both use the codebook copies'
+# threadgroup array, free once the partial is written (BIG4 covers them).
+_ONE_LAUNCH_TAIL = """
+  VQ_SHARED int s_last;
+  VQ_DEVICE_FENCE();  // this thread's part writes, device-wide before the count
+  VQ_BARRIER();
+  if (vq_tid == 0) {
+    VQ_GLOBAL uint32_t* count = const_cast<VQ_GLOBAL uint32_t*>(counter) + h;
+    s_last = vq_atomic_inc(count) == (uint32_t)n_splits ? 1 : 0;
+  }
+  VQ_BARRIER();
+  VQ_TG float* s_tail = reinterpret_cast<VQ_TG float*>(s_big);
+  if (s_last) {
+    VQ_DEVICE_FENCE();
+    for (int g0 = 0; g0 < G; g0 += TILE / D) {
+COMBINE
+    }
+    if (vq_tid == 0) const_cast<VQ_GLOBAL uint32_t*>(counter)[h] = 0u;
+  }
+  if (split == n_splits && iparams[EP] > 0) {
+    VQ_BARRIER();
+    VQ_TG float* s_x = s_tail;
+    VQ_TG float* s_best = s_tail + D;
+    VQ_TG uint* s_arg = reinterpret_cast<VQ_TG uint*>(s_tail + 2 * D);
+    VQ_TG uint* s_code = reinterpret_cast<VQ_TG uint*>(s_tail + 3 * D);
+    VQ_TG float* s_book = s_tail + 3 * D + (KM > VM ? KM : VM);
+    {
+ENCODE
+    }
+  }
+"""
+
+# The combine's statements: the threads of the launch (a multiple of D) merge query heads
+# COMBINE_HEAD, D threads per head (slot vq_tid / D), each slot in its own D floats of the
+# threadgroup array COMBINE_SCRATCH (declared by the caller). Slots whose COMBINE_LIVE is false
+# only take part in the barriers. The splits' parts are read with vq_load_cg: in the one-launch
+# kernel other threadgroups wrote them during this launch.
 _COMBINE_MAIN = """
+  {
   const int T = iparams[0];
   const int tps = iparams[2];
   const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;
-  const int hq = (int)vq_gx;
+  const int hq = COMBINE_HEAD;
+  const bool live = COMBINE_LIVE;
   const int h = hq / G;
-  const int d = (int)vq_tid;
+  const int d = (int)vq_tid % D;
+  VQ_TG float* s_xc = COMBINE_SCRATCH + ((int)vq_tid / D) * D;
   // the splits' largest max, by every thread at once (a serial pass over the splits' maxima
   // was a chain of dependent loads); then the merge, unrolled so that several splits' loads
   // are in flight at once (the order of its sums is that of one pass)
   float mloc = NEG;
-  for (int s = d; s <= n_splits; s += D) mloc = VQ_FMAX(mloc, part_m[s * HQ + hq]);
-  mloc = vq_simd_max(mloc);
-  if (vq_lane == 0) s_x[vq_warp] = mloc;
-  VQ_BARRIER();
-  float M = s_x[0];
-  for (int w = 1; w < D / 32; ++w) M = VQ_FMAX(M, s_x[w]);
-  VQ_BARRIER();
-  float acc = 0.0f, lc = 0.0f;
-  VQ_UNROLL_BY(8)
-  for (int s = 0; s < n_splits; ++s) {
-    const float w = vq_exp2(part_m[s * HQ + hq] - M);
-    acc += w * part_o[(s * HQ + hq) * D + d];
-    lc += w * part_l[s * HQ + hq];
+  if (live) {
+    for (int s = d; s <= n_splits; s += D) mloc = VQ_FMAX(mloc, vq_load_cg(part_m + s * HQ + hq));
   }
-  const float wf = vq_exp2(part_m[n_splits * HQ + hq] - M);
-  const float of = wf * part_o[(n_splits * HQ + hq) * D + d];
-  const float lf = wf * part_l[n_splits * HQ + hq];
-  s_x[d] = acc;
+  mloc = vq_simd_max(mloc);
+  if (vq_lane == 0) s_xc[d / 32] = mloc;
+  VQ_BARRIER();
+  float M = s_xc[0];
+  for (int w = 1; w < D / 32; ++w) M = VQ_FMAX(M, s_xc[w]);
+  VQ_BARRIER();
+  float acc = 0.0f, lc = 0.0f, of = 0.0f, lf = 0.0f;
+  if (live) {
+    VQ_UNROLL_BY(8)
+    for (int s = 0; s < n_splits; ++s) {
+      const float w = vq_exp2(vq_load_cg(part_m + s * HQ + hq) - M);
+      acc += w * vq_load_cg(part_o + (s * HQ + hq) * D + d);
+      lc += w * vq_load_cg(part_l + s * HQ + hq);
+    }
+    const float wf = vq_exp2(vq_load_cg(part_m + n_splits * HQ + hq) - M);
+    of = wf * vq_load_cg(part_o + (n_splits * HQ + hq) * D + d);
+    lf = wf * vq_load_cg(part_l + n_splits * HQ + hq);
+  }
+  s_xc[d] = acc;
   VQ_BARRIER();
   if (VHAD) {
     for (int len = 1; len < D; len <<= 1) {
       if (d < D / 2) {
         const int i = (d / len) * 2 * len + (d % len);
-        const float a = s_x[i], b = s_x[i + len];
-        s_x[i] = a + b;
-        s_x[i + len] = a - b;
+        const float a = s_xc[i], b = s_xc[i + len];
+        s_xc[i] = a + b;
+        s_xc[i + len] = a - b;
       }
       VQ_BARRIER();
     }
   }
-  float v = s_x[d] * (VHAD ? INV_SQRT_D : 1.0f);
-  if (VSMOOTH) v *= static_cast<float>(value_smooth[h * D + d]);
-  if (VMEAN) v += static_cast<float>(value_mean[h * D + d]) * lc;
-  out[hq * D + d] = static_cast<OUT_T>((v + of) / (lc + lf));
+  if (live) {
+    float v = s_xc[d] * (VHAD ? INV_SQRT_D : 1.0f);
+    if (VSMOOTH) v *= static_cast<float>(value_smooth[h * D + d]);
+    if (VMEAN) v += static_cast<float>(value_mean[h * D + d]) * lc;
+    out[hq * D + d] = static_cast<OUT_T>((v + of) / (lc + lf));
+  }
+  }
 """
+
+
+def _combine_statements(head: str, live: str, scratch: str) -> str:
+    """_COMBINE_MAIN for the query head expression `head` (per slot), its liveness and the
+    threadgroup array the slots share."""
+    body = _COMBINE_MAIN.replace("COMBINE_HEAD", head).replace("COMBINE_LIVE", live)
+    return body.replace("COMBINE_SCRATCH", scratch)
+
 
 # The nearest codeword of each of the NM sub-vectors of s_x (NSD dims each) into s_code: NS
 # threads per sub-vector each scan a contiguous NCODES / NS of the codes, then the first of
@@ -850,7 +907,9 @@ _ENCODE_MAIN = (
   const int d = (int)vq_tid;
   const int row = (h * rows + first + i_tok) * D;
 
-  // keys: k - RoPE_m(mu), / lambda, Hadamard, nearest codeword per sub-vector
+  // keys: k - RoPE_m(mu), / lambda, Hadamard, nearest codeword per sub-vector. Threads d >= D
+  // (a launch of more threads than D) only take part in the barriers.
+  if (d < D) {
   float x = static_cast<float>(k_in[row + d]);
   RING_K_WRITE
   if (CENTER) {
@@ -870,6 +929,7 @@ _ENCODE_MAIN = (
   for (int i = d; i < KCODES * KD; i += D) {
     s_book[i] = static_cast<float>(key_book[kbook * KCODES * KD + i]);
   }
+  }
   VQ_BARRIER();
   if (HAD) {
     for (int len = 1; len < D; len <<= 1) {
@@ -881,12 +941,12 @@ _ENCODE_MAIN = (
       }
       VQ_BARRIER();
     }
-    s_x[d] *= INV_SQRT_D;
+    if (d < D) s_x[d] *= INV_SQRT_D;
     VQ_BARRIER();
   }
 """
     + _nearest("K")
-    + """  for (int b = d; b < KBYTES; b += D) {
+    + """  for (int b = d; d < D && b < KBYTES; b += D) {
     uint byte = 0;
     for (int k = 0; k < 8; ++k) {
       const int p = 8 * b + k;
@@ -897,6 +957,7 @@ _ENCODE_MAIN = (
   VQ_BARRIER();
 
   // values: v - mu_v, then (when calibrated so) / lambda_v and Hadamard
+  if (d < D) {
   float y = static_cast<float>(v_in[row + d]);
   RING_V_WRITE
   if (VMEAN) y -= static_cast<float>(value_mean[h * D + d]);
@@ -905,6 +966,7 @@ _ENCODE_MAIN = (
   const int vbook = VBOOKS > 1 ? h : 0;
   for (int i = d; i < VCODES * VD; i += D) {
     s_book[i] = static_cast<float>(value_book[vbook * VCODES * VD + i]);
+  }
   }
   VQ_BARRIER();
   if (VHAD) {
@@ -917,12 +979,12 @@ _ENCODE_MAIN = (
       }
       VQ_BARRIER();
     }
-    s_x[d] *= INV_SQRT_D;
+    if (d < D) s_x[d] *= INV_SQRT_D;
     VQ_BARRIER();
   }
 """
     + _nearest("V")
-    + """  for (int b = d; b < VBYTES; b += D) {
+    + """  for (int b = d; d < D && b < VBYTES; b += D) {
     uint byte = 0;
     for (int k = 0; k < 8; ++k) {
       const int p = 8 * b + k;
@@ -1073,9 +1135,13 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
         "WS": _round4(2 * lay.group),
         "GP": gp,
         "PBUF": _round4(max(TILE * r * gp, lay.group * lay.head_dim)),
+        # key codebook copies, then the reduction of the token strides, then (the one-launch
+        # kernel) the combine's slots and the encoder's arrays
         "BIG4": -(
             -max(
-                (1 << lay.key_bits) * krep * lay.key_sub_dim * 4, tg * lay.group * lay.head_dim * 4
+                (1 << lay.key_bits) * krep * lay.key_sub_dim * 4,
+                tg * lay.group * lay.head_dim * 4,
+                4 * max(TILE, encode_threadgroup_bytes(lay) // 4),
             )
             // 16
         ),
@@ -1133,7 +1199,7 @@ def _attention_kernel_sources(
         name="vq_vecinfer_attn_combine",
         inputs=COMBINE_INPUTS,
         outputs=("out",),
-        body="\n  VQ_SHARED float s_x[D];\n" + _COMBINE_MAIN,
+        body="\n  VQ_SHARED float s_x[D];\n" + _combine_statements("(int)vq_gx", "true", "s_x"),
         constants={**_common_constants(lay), "OUT_T": out_dtype},
         threads=lay.head_dim,
     )
@@ -1141,6 +1207,43 @@ def _attention_kernel_sources(
 
 
 COMBINE_INPUTS = ("part_m", "part_l", "part_o", "iparams", "value_smooth", "value_mean")
+
+
+def one_launch_kernel_source(
+    lay: Layout, out_dtype: mx.Dtype, window_dtype: mx.Dtype, r: int | None = None
+) -> KernelSource:
+    """Decode attention in one launch (CUDA only; `_ONE_LAUNCH_TAIL`): the partial kernel,
+    whose last threadgroup per KV head merges the splits into `out` (as the combine does) and
+    whose exact threadgroup encodes the token leaving the window in place (as the in-place
+    combine with the encoder does, when iparams[EP] says there is one). The window ring is
+    `window_dtype`. Needs head_dim <= TILE. A decode step's layer is then one custom-kernel call
+    instead of two, which on the host is about half of its cost."""
+    r = TOKENS_PER_THREAD if r is None else r
+    key = ("one_launch", lay, str(out_dtype), str(window_dtype), r)
+    if key not in _SOURCES:
+        partial = attention_kernel_sources(lay, out_dtype, r)[0]
+        combine = _combine_statements(
+            "h * G + g0 + (int)vq_tid / D", "g0 + (int)vq_tid / D < G", "s_tail"
+        )
+        encode = _encode_statements("0", "(int)vq_gy", in_place=True)
+        encode = re.sub(r"\bk_in\b", "win_k", re.sub(r"\bv_in\b", "win_v", encode))
+        tail = _ONE_LAUNCH_TAIL.replace("COMBINE", combine).replace("ENCODE", encode)
+        _SOURCES[key] = KernelSource(
+            name="vq_vecinfer_attn_one_launch",
+            inputs=PARTIAL_INPUTS + ("value_smooth", "value_mean", "counter"),
+            outputs=("part_m", "part_l", "part_o", "out"),
+            body=partial.body + tail,
+            constants={
+                **partial.constants,
+                "OUT_T": out_dtype,
+                "WIN_T": window_dtype,
+                "EP": ENCODE_PARAM,
+            },
+            threads=TILE,
+            helpers=partial.helpers,
+            backends=("cuda",),
+        )
+    return _SOURCES[key]
 
 
 def combine_encode_kernel_source(
@@ -1172,7 +1275,7 @@ def combine_encode_kernel_source(
             outputs=("out",) if in_place else ("out", "key_out", "value_out"),
             body=_ENCODE_SHARED
             + "  if ((int)vq_gx < HQ) {\n"
-            + _COMBINE_MAIN
+            + _combine_statements("(int)vq_gx", "true", "s_x")
             + "  } else {\n"
             + _encode_statements("((int)vq_gx - HQ) / HKV", "((int)vq_gx - HQ) % HKV", in_place)
             + "  }\n",
@@ -1264,6 +1367,10 @@ PHASE_PARAM = 12
 # or returns the codes for the cache to append with slice updates, the new token going into
 # the ring by slice updates too (four more operations per layer); benchmarks compare the two.
 WRITE_IN_PLACE = True
+# Whether a decode step's attention is one launch where it can be (`takes_one_launch`): the
+# partial kernel's last threadgroup per KV head merges the splits and its exact threadgroup
+# encodes, instead of a second launch doing both; benchmarks compare the two.
+ONE_LAUNCH = True
 
 
 def layout_of(cache: Any, n_q_heads: int) -> Layout:
@@ -1428,12 +1535,20 @@ def split_tokens(n_coded: int, n_kv_heads: int, r: int, target: int | None = Non
 
 
 def attention_inputs(
-    cache: Any, queries: mx.array, scale: float, pending: dict, r: int | None = None
+    cache: Any,
+    queries: mx.array,
+    scale: float,
+    pending: dict,
+    r: int | None = None,
+    one_launch: bool | None = None,
 ) -> dict:
-    """Everything the two decode-attention launches take, for a one-token query [1, H_q, 1, D]:
-    {'layout', 'partial': [inputs], 'combine_extra': [iparams, value_smooth, value_mean, and
-    the encoder's inputs when pending has a token to encode], 'groups', 'n_splits', 'r',
-    'encode': whether the second launch is the combine with the encoder}."""
+    """Everything the decode-attention launches take, for a one-token query [1, H_q, 1, D]:
+    {'layout', 'sources': (partial, combine) or (one-launch kernel,), 'partial': [inputs of
+    the first launch], 'combine_extra': [iparams, value_smooth, value_mean, and the encoder's
+    inputs when pending has a token to encode; empty for one launch], 'groups', 'n_splits',
+    'r', 'encode': whether the launch that merges also encodes, 'in_place'}. `one_launch`
+    (default: `takes_one_launch`) picks one launch where the step allows it (the encode, if
+    any, in place); benchmarks of the partial kernel alone pass False."""
     _, n_q, _, d = queries.shape
     lay = layout_of(cache, n_q)
     h = lay.n_kv_heads
@@ -1472,6 +1587,7 @@ def attention_inputs(
     iparams = _int_params(iparams)
     fparams = _float_params(scale * LOG2E, const["rscale"])
     key_mean, inv_freq = const["key_mean"], const["inv_freq"]
+    last = cache._last_write if cache._last_write is not None else _dummy((8,), queries.dtype)
     partial = [
         queries,  # [1, H_q, 1, D] read flat, as [H_q, D]
         iparams,
@@ -1490,21 +1606,44 @@ def attention_inputs(
         wv,
         nk,
         nv,
-        cache._last_write if cache._last_write is not None else _dummy((8,), queries.dtype),
+        last,
     ]
-    extra = [iparams, const["value_smooth"], const["value_mean"]]
-    if encode is not None:  # the combine with the encoder: its inputs after the combine's
-        extra += [wk, wv, fparams, cache.smooth, key_mean, inv_freq]
-        extra += [cache.key_codebook, cache.value_codebook]
     in_place = encode is not None and WRITE_IN_PLACE
-    if in_place:
-        extra += [kbuf, vbuf, nk, nv]
-    part, combine = attention_kernel_sources(lay, queries.dtype, r)
-    if encode is not None:
-        combine = combine_encode_kernel_source(lay, queries.dtype, wk.dtype if in_place else None)
+    one = takes_one_launch(lay) if one_launch is None else one_launch
+    if one and lay.head_dim > TILE:
+        raise ValueError(f"one launch needs head_dim <= {TILE}, not {lay.head_dim}")
+    one = one and (encode is None or in_place)
+    # the kernels and their launchers for this kind of step, memoised on the cache: the inputs
+    # whose dtypes can change between steps (placeholders before the sinks and the window
+    # exist) are in the key, every other input is the cache's own and fixed
+    dtypes = (queries.dtype, sk.dtype, sv.dtype, wk.dtype, wv.dtype, nk.dtype, nv.dtype)
+    key = ("plan", n_q, r, encode is not None, in_place, one, last.dtype, *dtypes)
+    memo = cache.__dict__["_kernel_memo"]  # made by layout_of
+    plan = memo.get(key)
+    if plan is None:
+        if one:
+            sources = (one_launch_kernel_source(lay, queries.dtype, wk.dtype, r),)
+        else:
+            sources = attention_kernel_sources(lay, queries.dtype, r)
+            if encode is not None:
+                window = wk.dtype if in_place else None
+                combine = combine_encode_kernel_source(lay, queries.dtype, window)
+                sources = (sources[0], combine)
+        plan = memo[key] = {"sources": sources, "launchers": None}
+    if one:
+        partial += [const["value_smooth"], const["value_mean"], _counter(cache)]
+        extra = []
+    else:
+        extra = [iparams, const["value_smooth"], const["value_mean"]]
+        if encode is not None:  # the combine with the encoder: its inputs after the combine's
+            extra += [wk, wv, fparams, cache.smooth, key_mean, inv_freq]
+            extra += [cache.key_codebook, cache.value_codebook]
+        if in_place:
+            extra += [kbuf, vbuf, nk, nv]
     return {
         "layout": lay,
-        "sources": (part, combine),
+        "sources": plan["sources"],
+        "plan": plan,
         "partial": partial,
         "combine_extra": extra,
         "groups": (n_splits + 1, h, 1),
@@ -1513,6 +1652,25 @@ def attention_inputs(
         "encode": encode is not None,
         "in_place": in_place,
     }
+
+
+def takes_one_launch(lay: Layout) -> bool:
+    """Whether a decode step's attention (and in-place encode) is one launch here: ONE_LAUNCH
+    on, MLX on CUDA (the threadgroups hand over through a device-scope fence, which Metal lacks)
+    and head_dim <= TILE (the merge and the encoder take D threads of the TILE)."""
+    from veloxquant.kernels import backend
+
+    return ONE_LAUNCH and lay.head_dim <= TILE and backend() == "cuda"
+
+
+def _counter(cache: Any) -> mx.array:
+    """The one-launch kernel's count of finished threadgroups per KV head: a buffer of the
+    cache's own (>= 8 uint32, written in place; every launch leaves it at zero), from numpy so
+    that it is a real buffer and not a broadcast MLX would copy."""
+    memo = cache.__dict__.setdefault("_kernel_memo", {})
+    if "counter" not in memo:
+        memo["counter"] = mx.array(np.zeros(max(8, int(cache.smooth.shape[0])), np.uint32))
+    return memo["counter"]
 
 
 def decode_attention(
@@ -1527,14 +1685,14 @@ def decode_attention(
 
 
 def launch_partial(a: dict, queries: mx.array) -> list[mx.array]:
-    """The first decode-attention launch on inputs from `attention_inputs`: every split's (and
-    the exact threadgroup's) running max, sum and output per query head, float32."""
-    from veloxquant.kernels import launch
-
+    """The first decode-attention launch on inputs from `attention_inputs` (of two launches):
+    every split's (and the exact threadgroup's) running max, sum and output per query head,
+    float32."""
+    if len(a["sources"]) != 2:
+        raise ValueError("launch_partial: inputs of the one-launch kernel (one_launch=False)")
     n_q, d = queries.shape[1], queries.shape[3]
     ns = a["n_splits"] + 1
-    return launch(
-        a["sources"][0],
+    return _launchers(a)[0](
         a["partial"],
         a["groups"],
         [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)],
@@ -1542,26 +1700,52 @@ def launch_partial(a: dict, queries: mx.array) -> list[mx.array]:
     )
 
 
+def _launchers(a: dict) -> list:
+    """The launchers of a's kernels (`veloxquant.kernels.launcher`), built and their inputs
+    checked at the first step of a kind, then kept with the cache's plan for it."""
+    from veloxquant.kernels import check_inputs, launcher
+
+    plan = a["plan"]
+    if plan["launchers"] is None:
+        inputs = [a["partial"]]
+        if len(a["sources"]) == 2:  # the combine takes the partial's three float32 outputs
+            parts = [_dummy((8,), mx.float32)] * 3
+            inputs.append(parts + a["combine_extra"])
+        launchers = []
+        for src, ins in zip(a["sources"], inputs, strict=True):
+            check_inputs(src, ins)
+            launchers.append(launcher(src, tuple([x.dtype for x in ins])))
+        plan["launchers"] = launchers
+    return plan["launchers"]
+
+
 def launch_attention(
     a: dict, queries: mx.array
 ) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
-    """The two decode-attention launches on inputs from `attention_inputs` (the second also
-    encodes the token leaving the window, when there is one)."""
-    from veloxquant.kernels import launch
-
+    """The decode-attention launches on inputs from `attention_inputs`: one (CUDA), or the
+    partial and the combine (which also encodes the token leaving the window, when there is
+    one)."""
     lay = a["layout"]
     n_q, d = queries.shape[1], queries.shape[3]
-    combine = a["sources"][1]  # the combine with the encoder if a["encode"]
+    if len(a["sources"]) == 1:  # one launch: partial, merge and encode
+        ns = a["n_splits"] + 1
+        *_, out = _launchers(a)[0](
+            a["partial"],
+            a["groups"],
+            [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,), (1, n_q, 1, d)],
+            [mx.float32] * 3 + [queries.dtype],
+        )
+        return out, None
+    combine = _launchers(a)[1]  # the combine with the encoder if a["encode"]
     parts = [*launch_partial(a, queries), *a["combine_extra"]]
     if not a["encode"]:
-        (out,) = launch(combine, parts, (n_q, 1, 1), [(1, n_q, 1, d)], [queries.dtype])
+        (out,) = combine(parts, (n_q, 1, 1), [(1, n_q, 1, d)], [queries.dtype])
         return out, None
     h = lay.n_kv_heads
     if a["in_place"]:
-        (out,) = launch(combine, parts, (n_q + h, 1, 1), [(1, n_q, 1, d)], [queries.dtype])
+        (out,) = combine(parts, (n_q + h, 1, 1), [(1, n_q, 1, d)], [queries.dtype])
         return out, None
-    out, kc, vc = launch(
-        combine,
+    out, kc, vc = combine(
         parts,
         (n_q + h, 1, 1),
         [(1, n_q, 1, d), (1, h, 1, lay.key_bytes), (1, h, 1, lay.value_bytes)],
