@@ -17,10 +17,11 @@ comes from a profiler, with `--calls` so that it sees only a few launches of eac
         -k regex:attn_partial python benchmarks/ab_kernel_revisions.py --baseline ... --calls 3
 
 With `--steps`, each call is a whole fused decode step of a cache whose window is full
-(`update_and_fetch` + `fused_attention`: the partial launch, then the combine that also encodes
-the token leaving the window and writes the cache in place), each revision on its own cache set
-built from the same seeds; it prints the largest output difference and whether the two wrote
-the same codes, then the timings. Profile the second launch with `-k regex:attn_combine`.
+(`update_and_fetch` + `fused_attention`: on CUDA one launch, which also encodes the token
+leaving the window and writes the cache in place; else the partial launch, then the combine
+that does), each revision on its own cache set built from the same seeds; it prints the largest
+output difference and whether the two wrote the same codes and window, after one step and
+again after the timed steps, then the timings. Profile every launch with `-k regex:attn_`.
 
 With `--random-weights`, tokens/s through mlx-lm's `generate_step`: fp16 `KVCache`, VecInfer
 fused with this tree's kernels and with the baseline's, the two VecInfer arms on one cache set.
@@ -147,26 +148,35 @@ def step_ab(args, baseline) -> None:
 
             return run
 
-        first = {name: arm(name, sets)() for name in revisions}  # one step of each cache
-        diff = max(
-            mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
-            for a, b in zip(first["baseline"], first["this tree"], strict=True)
-        )
-        same = all(
-            mx.array_equal(a._kbuf, b._kbuf).item() and mx.array_equal(a._vbuf, b._vbuf).item()
-            for a, b in zip(caches["baseline"], caches["this tree"], strict=True)
-        )
-        paths = {c.last_attention for cs in caches.values() for c in cs}
-        print(
-            f"context {n}: one step per cache, max |this tree - baseline| {diff:.3g}, "
-            f"same codes written: {same}, attention {paths}"
-        )
+        def compare(when: str, arm=arm, caches=caches, n=n) -> None:
+            step = {name: arm(name, sets)() for name in revisions}  # one step of each cache
+            diff = max(
+                mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+                for a, b in zip(step["baseline"], step["this tree"], strict=True)
+            )
+            same = all(
+                mx.array_equal(a._kbuf, b._kbuf).item()
+                and mx.array_equal(a._vbuf, b._vbuf).item()
+                and mx.array_equal(a._wk, b._wk).item()
+                and mx.array_equal(a._wv, b._wv).item()
+                for a, b in zip(caches["baseline"], caches["this tree"], strict=True)
+            )
+            paths = {c.last_attention for cs in caches.values() for c in cs}
+            steps = caches["this tree"][0].compressed_tokens - (n - DEFAULT_SINKS - DEFAULT_WINDOW)
+            print(
+                f"context {n}, {when} ({steps} steps per cache): max |this tree - baseline| "
+                f"{diff:.3g}, same codes and window written: {same}, attention {paths}"
+            )
+
+        compare("one step")
         if args.calls:
             for name in revisions:
                 for _ in range(args.calls):
                     arm(name, 1)()
             continue
         times = time_arms({name: arm(name) for name in revisions}, args.repeats)
+        # the caches took the same steps in lockstep: they must still agree
+        compare("after the timed steps")
         vecinfer.kernels = current
         for k, v in times.items():
             print(f"  {k:<9} {fmt([t / layers for t in v], 1e6, ' us')} per layer step")

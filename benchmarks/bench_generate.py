@@ -16,11 +16,13 @@ For each context and arm:
   not by the GPU, and generate_step's overlap cannot help;
 - peak memory of the filled cache and the step.
 
-With `--bounds`, two more VecInfer arms on caches of their own, whose outputs are wrong and
-whose times are bounds: `no_combine` skips the second launch (the partial's output, cast, stands
-in for the attention; what one launch per layer could at best save) and `no_attention` skips
-both (the query stands in for it; the model's step without attention, which no cache can beat). On
-the CPU fused caches take the pure-MLX twin, which neither swap touches.
+With `--bounds`, three more VecInfer arms on caches of their own: `two_launches`, the partial and
+the combine as separate launches (`kernels.ONE_LAUNCH` off; where MLX runs on CUDA a step's
+layer is otherwise one launch), and two whose outputs are wrong and whose times are bounds:
+`no_combine` skips the combine (two-launch inputs, the partial's output, cast, standing in for
+the attention) and `no_attention` skips the attention (the query stands in for it; the model's
+step without attention, which no cache can beat). On the CPU fused caches take the pure-MLX
+twin, which none of the swaps touches.
 
 With `--profile`, cProfile of the host graph build of a few fused steps (top functions by own
 time).
@@ -168,13 +170,15 @@ def bound_arms(model, ctx: int) -> dict:
 
     real = kernels.launch_attention
 
-    def use(fn):
+    def use(fn, one_launch: bool = True):
         def select():
             kernels.launch_attention = fn
+            kernels.ONE_LAUNCH = one_launch
 
         return select
 
-    arms = {"vecinfer": use(real), "no_combine": use(partial_only)}
+    arms = {"vecinfer": use(real), "two_launches": use(real, one_launch=False)}
+    arms["no_combine"] = use(partial_only, one_launch=False)
     arms["no_attention"] = use(lambda a, queries: (queries, None))
     return {
         n: (default_layout_caches(model, ctx) if n != "vecinfer" else None, f)

@@ -49,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     calls = 32
     (cache,), qs, (pending,) = decode_inputs(16384, 1, calls, 8, 4, 128)
-    a = K.attention_inputs(cache, qs[0], 0.1, pending)
+    a = K.attention_inputs(cache, qs[0], 0.1, pending, one_launch=False)
     inputs, partial = a["partial"], a["sources"][0]
     ns, n_q, d = a["n_splits"] + 1, 32, 128
     outs = [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)]

@@ -312,7 +312,7 @@ def timeline(args) -> None:
             try:
                 K._PARTIAL_BODY = _cut(base, cut)
                 K.clear_memos(caches)
-                a = K.attention_inputs(caches[0], qs[0], scale, pend[0])
+                a = K.attention_inputs(caches[0], qs[0], scale, pend[0], one_launch=False)
             finally:
                 K._PARTIAL_BODY = base
                 K.clear_memos(caches)
