@@ -536,10 +536,20 @@ def test_threadgroup_bytes_are_those_of_the_generated_sources(changes):
     partial, _ = K.attention_kernel_sources(lay, mx.float16, K.TOKENS_PER_THREAD)
     lib = emu.build(partial, "cuda", ["float32"] * len(partial.inputs), ["float32"] * 3)
     assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD)
-    for src in (K.encode_kernel_source(lay), K.combine_encode_kernel_source(lay, mx.float16)):
+    for src, with_combine in (
+        (K.encode_kernel_source(lay), False),
+        (K.combine_encode_kernel_source(lay, mx.float16), True),
+    ):
         outs = ["float32"] * len(src.outputs)
         lib = emu.build(src, "metal", ["float32"] * len(src.inputs), outs)
-        assert emu.threadgroup_bytes(lib) == K.encode_threadgroup_bytes(lay)
+        assert emu.threadgroup_bytes(lib) == K.encode_threadgroup_bytes(lay, with_combine)
+    if lay.head_dim <= K.TILE:  # the one launch: the partial's arrays and its count flag
+        one = K.one_launch_kernel_source(lay, mx.float16, mx.float16)
+        f32, f16 = "float32", "float16"
+        ins = [f16, "int32", f32, "uint8", "uint8", f16, f16, f16, f16, f32, f32] + [f16] * 9
+        ins.append("uint32")
+        lib = emu.build(one, "cuda", ins, ["float32"] * 4)
+        assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD) + 4
 
 
 def test_layouts_over_the_threadgroup_limit_are_refused(monkeypatch):

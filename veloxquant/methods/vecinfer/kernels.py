@@ -148,7 +148,7 @@ class Layout:
             return "value codebooks neither shared nor per head"
         for kernel, nbytes in (
             ("partial attention", threadgroup_bytes(self, TOKENS_PER_THREAD)),
-            ("encode", encode_threadgroup_bytes(self)),
+            ("encode", encode_threadgroup_bytes(self, with_combine=True)),
         ):
             if nbytes > THREADGROUP_LIMIT[backend]:
                 return (
@@ -731,7 +731,7 @@ _EXACT_ROW = """
 
 # The end of the one-launch kernel (CUDA): after its partial, each threadgroup counts itself in
 # `counter` [H_kv], and the last of KV head h's n_splits + 1 to finish merges the head's G query
-# heads (TILE / D at a time) and sets the count back to 0 for the next launch. The exact
+# heads and sets the count back to 0 for the next launch. The exact
 # threadgroup, the only one that reads the window ring, then encodes the token leaving it in
 # place (iparams[EP] > 0), as the combine with the encoder does. Both use the codebook copies'
 # threadgroup array, free once the partial is written (BIG4 covers them).
@@ -747,9 +747,7 @@ _ONE_LAUNCH_TAIL = """
   VQ_TG float* s_tail = reinterpret_cast<VQ_TG float*>(s_big);
   if (s_last) {
     VQ_DEVICE_FENCE();
-    for (int g0 = 0; g0 < G; g0 += TILE / D) {
 COMBINE
-    }
     if (vq_tid == 0) const_cast<VQ_GLOBAL uint32_t*>(counter)[h] = 0u;
   }
   if (split == n_splits && iparams[EP] > 0) {
@@ -765,74 +763,121 @@ ENCODE
   }
 """
 
-# The combine's statements: the threads of the launch (a multiple of D) merge query heads
-# COMBINE_HEAD, D threads per head (slot vq_tid / D), each slot in its own D floats of the
-# threadgroup array COMBINE_SCRATCH (declared by the caller). Slots whose COMBINE_LIVE is false
-# only take part in the barriers. The splits' parts are read with vq_load_cg: in the one-launch
-# kernel other threadgroups wrote them during this launch.
+# The combine's statements: a threadgroup of CNT threads (a multiple of D) merges the splits of
+# CNH query heads from COMBINE_FIRST (one head, or a KV head's G), D threads per head (slot
+# vq_tid / D takes heads slot, slot + CNT / D, ...), in the threadgroup array COMBINE_SCRATCH
+# (COMBINE_FLOATS floats, declared by the caller). The heads' maxima, and then each chunk of CCH
+# splits' weights 2^(m - M) and sums, are read by all threads at once, so that the only serial
+# loads left are the output rows, every head's in flight together; reading them split by split
+# and head by head was a chain of dependent rounds to L2 (the one-launch kernel's last
+# threadgroup took ~10 us to merge its four heads that way). The sums run in split order, as one
+# pass would. The parts are read with vq_load_cg: in the one-launch kernel other threadgroups
+# wrote them during this launch.
 _COMBINE_MAIN = """
   {
   const int T = iparams[0];
   const int tps = iparams[2];
   const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;
-  const int hq = COMBINE_HEAD;
-  const bool live = COMBINE_LIVE;
-  const int h = hq / G;
+  const int hq0 = COMBINE_FIRST;
+  const int h = hq0 / G;
   const int d = (int)vq_tid % D;
-  VQ_TG float* s_xc = COMBINE_SCRATCH + ((int)vq_tid / D) * D;
-  // the splits' largest max, by every thread at once (a serial pass over the splits' maxima
-  // was a chain of dependent loads); then the merge, unrolled so that several splits' loads
-  // are in flight at once (the order of its sums is that of one pass)
-  float mloc = NEG;
-  if (live) {
-    for (int s = d; s <= n_splits; s += D) mloc = VQ_FMAX(mloc, vq_load_cg(part_m + s * HQ + hq));
-  }
-  mloc = vq_simd_max(mloc);
-  if (vq_lane == 0) s_xc[d / 32] = mloc;
-  VQ_BARRIER();
-  float M = s_xc[0];
-  for (int w = 1; w < D / 32; ++w) M = VQ_FMAX(M, s_xc[w]);
-  VQ_BARRIER();
-  float acc = 0.0f, lc = 0.0f, of = 0.0f, lf = 0.0f;
-  if (live) {
-    VQ_UNROLL_BY(8)
-    for (int s = 0; s < n_splits; ++s) {
-      const float w = vq_exp2(vq_load_cg(part_m + s * HQ + hq) - M);
-      acc += w * vq_load_cg(part_o + (s * HQ + hq) * D + d);
-      lc += w * vq_load_cg(part_l + s * HQ + hq);
+  const int slot = (int)vq_tid / D;
+  VQ_TG float* s_cm = COMBINE_SCRATCH;    // [CNH] each head's largest max
+  VQ_TG float* s_cs = s_cm + CNH;         // [CNH] each head's merged sum
+  VQ_TG float* s_cw = s_cs + CNH;         // [CCH][CNH] a chunk's weights
+  VQ_TG float* s_cl = s_cw + CCH * CNH;   // [CCH][CNH] ... and its sums
+  VQ_TG float* s_ch = s_cl + CCH * CNH;   // [CNH][D] the merged value sums
+  for (int g = (int)vq_warp; g < CNH; g += CNT / 32) {  // a SIMD group per head
+    float mloc = NEG;
+    for (int s = (int)vq_lane; s <= n_splits; s += 32) {
+      mloc = VQ_FMAX(mloc, vq_load_cg(part_m + s * HQ + hq0 + g));
     }
-    const float wf = vq_exp2(vq_load_cg(part_m + n_splits * HQ + hq) - M);
-    of = wf * vq_load_cg(part_o + (n_splits * HQ + hq) * D + d);
-    lf = wf * vq_load_cg(part_l + n_splits * HQ + hq);
+    mloc = vq_simd_max(mloc);
+    if (vq_lane == 0) s_cm[g] = mloc;
   }
-  s_xc[d] = acc;
+  VQ_BARRIER();
+  float acc[CPS];
+  VQ_UNROLL
+  for (int k = 0; k < CPS; ++k) acc[k] = 0.0f;
+  float lc = 0.0f;
+  for (int c0 = 0; c0 < n_splits; c0 += CCH) {
+    const int cn = min(CCH, n_splits - c0);
+    for (int i = (int)vq_tid; i < cn * CNH; i += CNT) {
+      const int s = c0 + i / CNH, g = i % CNH;
+      s_cw[i] = vq_exp2(vq_load_cg(part_m + s * HQ + hq0 + g) - s_cm[g]);
+      s_cl[i] = vq_load_cg(part_l + s * HQ + hq0 + g);
+    }
+    VQ_BARRIER();
+    VQ_UNROLL_BY(CUN)
+    for (int s = 0; s < cn; ++s) {
+      VQ_UNROLL
+      for (int k = 0; k < CPS; ++k) {
+        const int g = slot + k * (CNT / D);
+        if (g < CNH) {
+          acc[k] += s_cw[s * CNH + g] * vq_load_cg(part_o + ((c0 + s) * HQ + hq0 + g) * D + d);
+        }
+      }
+    }
+    if ((int)vq_tid < CNH) {
+      for (int s = 0; s < cn; ++s) lc += s_cw[s * CNH + vq_tid] * s_cl[s * CNH + vq_tid];
+    }
+    VQ_BARRIER();
+  }
+  if ((int)vq_tid < CNH) s_cs[vq_tid] = lc;
+  VQ_UNROLL
+  for (int k = 0; k < CPS; ++k) {
+    const int g = slot + k * (CNT / D);
+    if (g < CNH) s_ch[g * D + d] = acc[k];
+  }
   VQ_BARRIER();
   if (VHAD) {
     for (int len = 1; len < D; len <<= 1) {
-      if (d < D / 2) {
-        const int i = (d / len) * 2 * len + (d % len);
-        const float a = s_xc[i], b = s_xc[i + len];
-        s_xc[i] = a + b;
-        s_xc[i + len] = a - b;
+      for (int j = (int)vq_tid; j < CNH * (D / 2); j += CNT) {
+        const int p = j % (D / 2);
+        const int i = (j / (D / 2)) * D + (p / len) * 2 * len + (p % len);
+        const float a = s_ch[i], b = s_ch[i + len];
+        s_ch[i] = a + b;
+        s_ch[i + len] = a - b;
       }
       VQ_BARRIER();
     }
   }
-  if (live) {
-    float v = s_xc[d] * (VHAD ? INV_SQRT_D : 1.0f);
-    if (VSMOOTH) v *= static_cast<float>(value_smooth[h * D + d]);
-    if (VMEAN) v += static_cast<float>(value_mean[h * D + d]) * lc;
-    out[hq * D + d] = static_cast<OUT_T>((v + of) / (lc + lf));
+  VQ_UNROLL
+  for (int k = 0; k < CPS; ++k) {
+    const int g = slot + k * (CNT / D);
+    if (g < CNH) {
+      // the exact threadgroup's part (written last, at n_splits)
+      const int hq = hq0 + g;
+      const float wf = vq_exp2(vq_load_cg(part_m + n_splits * HQ + hq) - s_cm[g]);
+      const float of = wf * vq_load_cg(part_o + (n_splits * HQ + hq) * D + d);
+      const float lf = wf * vq_load_cg(part_l + n_splits * HQ + hq);
+      float v = s_ch[g * D + d] * (VHAD ? INV_SQRT_D : 1.0f);
+      if (VSMOOTH) v *= static_cast<float>(value_smooth[h * D + d]);
+      if (VMEAN) v += static_cast<float>(value_mean[h * D + d]) * s_cs[g];
+      out[hq * D + d] = static_cast<OUT_T>((v + of) / (s_cs[g] + lf));
+    }
   }
   }
 """
+COMBINE_CHUNK = 64  # CCH: splits whose weights are read at once
+COMBINE_LOADS = 8  # output-row loads in flight per thread (the split loop's unroll x heads)
 
 
-def _combine_statements(head: str, live: str, scratch: str) -> str:
-    """_COMBINE_MAIN for the query head expression `head` (per slot), its liveness and the
-    threadgroup array the slots share."""
-    body = _COMBINE_MAIN.replace("COMBINE_HEAD", head).replace("COMBINE_LIVE", live)
-    return body.replace("COMBINE_SCRATCH", scratch)
+def combine_floats(heads: int, head_dim: int) -> int:
+    """Floats of the combine's threadgroup array for `heads` query heads (COMBINE_FLOATS)."""
+    return 2 * heads + 2 * COMBINE_CHUNK * heads + heads * head_dim
+
+
+def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scratch: str) -> str:
+    """_COMBINE_MAIN for `heads` query heads from the expression `first` merged by `threads`
+    threads in the threadgroup array `scratch`, its sizes written in as literals."""
+    per_slot = -(-heads // (threads // head_dim))
+    sizes = {"CNH": heads, "CNT": threads, "CCH": COMBINE_CHUNK, "CPS": per_slot}
+    # about COMBINE_LOADS output-row loads in flight per thread: more took the one-launch
+    # kernel, whose registers its partial sets, from 96 registers to 127
+    sizes["CUN"] = max(1, COMBINE_LOADS // per_slot)
+    body = re.sub(r"\b(CNH|CNT|CCH|CPS|CUN)\b", lambda m: str(sizes[m.group(1)]), _COMBINE_MAIN)
+    return body.replace("COMBINE_FIRST", first).replace("COMBINE_SCRATCH", scratch)
 
 
 # The nearest codeword of each of the NM sub-vectors of s_x (NSD dims each) into s_code: NS
@@ -1103,12 +1148,13 @@ def threadgroup_bytes(lay: Layout, r: int) -> int:
     return 4 * floats + c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4
 
 
-def encode_threadgroup_bytes(lay: Layout) -> int:
-    """Threadgroup memory of the encoder, alone or inside the combine (_ENCODE_SHARED)."""
+def encode_threadgroup_bytes(lay: Layout, with_combine: bool = False) -> int:
+    """Threadgroup memory of the encoder (_ENCODE_SHARED), alone or inside the combine (which
+    adds its own array)."""
     d = lay.head_dim
     km, vm = d // lay.key_sub_dim, d // lay.value_sub_dim
     book = max((1 << lay.key_bits) * lay.key_sub_dim, (1 << lay.value_bits) * lay.value_sub_dim)
-    return 4 * (d + max(km, vm) + book + 2 * d)
+    return 4 * (d + max(km, vm) + book + 2 * d + (combine_floats(1, d) if with_combine else 0))
 
 
 def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
@@ -1141,7 +1187,8 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
             -max(
                 (1 << lay.key_bits) * krep * lay.key_sub_dim * 4,
                 tg * lay.group * lay.head_dim * 4,
-                4 * max(TILE, encode_threadgroup_bytes(lay) // 4),
+                4 * combine_floats(lay.group, lay.head_dim),
+                encode_threadgroup_bytes(lay),
             )
             // 16
         ),
@@ -1199,7 +1246,8 @@ def _attention_kernel_sources(
         name="vq_vecinfer_attn_combine",
         inputs=COMBINE_INPUTS,
         outputs=("out",),
-        body="\n  VQ_SHARED float s_x[D];\n" + _combine_statements("(int)vq_gx", "true", "s_x"),
+        body=f"\n  VQ_SHARED float s_comb[{combine_floats(1, lay.head_dim)}];\n"
+        + _combine_statements("(int)vq_gx", 1, lay.head_dim, lay.head_dim, "s_comb"),
         constants={**_common_constants(lay), "OUT_T": out_dtype},
         threads=lay.head_dim,
     )
@@ -1222,9 +1270,7 @@ def one_launch_kernel_source(
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r)
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
-        combine = _combine_statements(
-            "h * G + g0 + (int)vq_tid / D", "g0 + (int)vq_tid / D < G", "s_tail"
-        )
+        combine = _combine_statements("h * G", lay.group, TILE, lay.head_dim, "s_tail")
         encode = _encode_statements("0", "(int)vq_gy", in_place=True)
         encode = re.sub(r"\bk_in\b", "win_k", re.sub(r"\bv_in\b", "win_v", encode))
         tail = _ONE_LAUNCH_TAIL.replace("COMBINE", combine).replace("ENCODE", encode)
@@ -1274,8 +1320,9 @@ def combine_encode_kernel_source(
             + (IN_PLACE_INPUTS if in_place else ()),
             outputs=("out",) if in_place else ("out", "key_out", "value_out"),
             body=_ENCODE_SHARED
+            + f"  VQ_SHARED float s_comb[{combine_floats(1, lay.head_dim)}];\n"
             + "  if ((int)vq_gx < HQ) {\n"
-            + _combine_statements("(int)vq_gx", "true", "s_x")
+            + _combine_statements("(int)vq_gx", 1, lay.head_dim, lay.head_dim, "s_comb")
             + "  } else {\n"
             + _encode_statements("((int)vq_gx - HQ) / HKV", "((int)vq_gx - HQ) % HKV", in_place)
             + "  }\n",
