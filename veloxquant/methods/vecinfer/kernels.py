@@ -766,13 +766,14 @@ ENCODE
 # The combine's statements: a threadgroup of CNT threads (a multiple of D) merges the splits of
 # CNH query heads from COMBINE_FIRST (one head, or a KV head's G), D threads per head (slot
 # vq_tid / D takes heads slot, slot + CNT / D, ...), in the threadgroup array COMBINE_SCRATCH
-# (COMBINE_FLOATS floats, declared by the caller). The heads' maxima, and then each chunk of CCH
-# splits' weights 2^(m - M) and sums, are read by all threads at once, so that the only serial
-# loads left are the output rows, every head's in flight together; reading them split by split
-# and head by head was a chain of dependent rounds to L2 (the one-launch kernel's last
-# threadgroup took ~10 us to merge its four heads that way). The sums run in split order, as one
-# pass would. The parts are read with vq_load_cg: in the one-launch kernel other threadgroups
-# wrote them during this launch.
+# (COMBINE_FLOATS floats, declared by the caller). The heads' maxima (CWH SIMD groups per head),
+# the exact threadgroup's parts, and then each chunk of CCH splits' weights 2^(m - M) and sums
+# are read by all threads at once, so that the only serial loads left are the output rows, every
+# head's in flight together; reading them split by split and head by head was a chain of
+# dependent rounds to L2 (the one-launch kernel's last threadgroup took ~10 us to merge its four
+# heads that way). A head's output rows are summed in split order and its sum by one SIMD
+# group, whatever CNH is, so one launch and two give the same bits. The parts are read with
+# vq_load_cg: in the one-launch kernel other threadgroups wrote them during this launch.
 _COMBINE_MAIN = """
   {
   const int T = iparams[0];
@@ -784,22 +785,38 @@ _COMBINE_MAIN = """
   const int slot = (int)vq_tid / D;
   VQ_TG float* s_cm = COMBINE_SCRATCH;    // [CNH] each head's largest max
   VQ_TG float* s_cs = s_cm + CNH;         // [CNH] each head's merged sum
-  VQ_TG float* s_cw = s_cs + CNH;         // [CCH][CNH] a chunk's weights
+  VQ_TG float* s_cx = s_cs + CNH;         // [CNH][CWH] the SIMD groups' maxima
+  VQ_TG float* s_cw = s_cx + CNH * CWH;   // [CCH][CNH] a chunk's weights
   VQ_TG float* s_cl = s_cw + CCH * CNH;   // [CCH][CNH] ... and its sums
   VQ_TG float* s_ch = s_cl + CCH * CNH;   // [CNH][D] the merged value sums
-  for (int g = (int)vq_warp; g < CNH; g += CNT / 32) {  // a SIMD group per head
+  // each head's largest max: CWH SIMD groups per head, a split per lane
+  const int wpart = (int)vq_warp / CNH;
+  for (int g = (int)vq_warp % CNH; wpart < CWH && g < CNH; g += CNT / 32) {
     float mloc = NEG;
-    for (int s = (int)vq_lane; s <= n_splits; s += 32) {
+    for (int s = (int)vq_lane + 32 * wpart; s <= n_splits; s += 32 * CWH) {
       mloc = VQ_FMAX(mloc, vq_load_cg(part_m + s * HQ + hq0 + g));
     }
     mloc = vq_simd_max(mloc);
-    if (vq_lane == 0) s_cm[g] = mloc;
+    if (vq_lane == 0) s_cx[g * CWH + wpart] = mloc;
   }
   VQ_BARRIER();
-  float acc[CPS];
+  if ((int)vq_tid < CNH) {
+    float mm = s_cx[vq_tid * CWH];
+    for (int k = 1; k < CWH; ++k) mm = VQ_FMAX(mm, s_cx[vq_tid * CWH + k]);
+    s_cm[vq_tid] = mm;
+    s_cs[vq_tid] = 0.0f;
+  }
+  // the exact threadgroup's parts (at n_splits), in flight while the splits are merged
+  float mf[CPS], of[CPS], lf[CPS], acc[CPS];
   VQ_UNROLL
-  for (int k = 0; k < CPS; ++k) acc[k] = 0.0f;
-  float lc = 0.0f;
+  for (int k = 0; k < CPS; ++k) {
+    const int g = min(slot + k * (CNT / D), CNH - 1);
+    mf[k] = vq_load_cg(part_m + n_splits * HQ + hq0 + g);
+    of[k] = vq_load_cg(part_o + (n_splits * HQ + hq0 + g) * D + d);
+    lf[k] = vq_load_cg(part_l + n_splits * HQ + hq0 + g);
+    acc[k] = 0.0f;
+  }
+  VQ_BARRIER();
   for (int c0 = 0; c0 < n_splits; c0 += CCH) {
     const int cn = min(CCH, n_splits - c0);
     for (int i = (int)vq_tid; i < cn * CNH; i += CNT) {
@@ -818,12 +835,15 @@ _COMBINE_MAIN = """
         }
       }
     }
-    if ((int)vq_tid < CNH) {
-      for (int s = 0; s < cn; ++s) lc += s_cw[s * CNH + vq_tid] * s_cl[s * CNH + vq_tid];
+    // each head's sum, by one SIMD group (a split per lane, then across lanes)
+    for (int g = (int)vq_warp; g < CNH; g += CNT / 32) {
+      float part = 0.0f;
+      for (int s = (int)vq_lane; s < cn; s += 32) part += s_cw[s * CNH + g] * s_cl[s * CNH + g];
+      part = vq_simd_sum(part);
+      if (vq_lane == 0) s_cs[g] += part;
     }
     VQ_BARRIER();
   }
-  if ((int)vq_tid < CNH) s_cs[vq_tid] = lc;
   VQ_UNROLL
   for (int k = 0; k < CPS; ++k) {
     const int g = slot + k * (CNT / D);
@@ -846,26 +866,26 @@ _COMBINE_MAIN = """
   for (int k = 0; k < CPS; ++k) {
     const int g = slot + k * (CNT / D);
     if (g < CNH) {
-      // the exact threadgroup's part (written last, at n_splits)
-      const int hq = hq0 + g;
-      const float wf = vq_exp2(vq_load_cg(part_m + n_splits * HQ + hq) - s_cm[g]);
-      const float of = wf * vq_load_cg(part_o + (n_splits * HQ + hq) * D + d);
-      const float lf = wf * vq_load_cg(part_l + n_splits * HQ + hq);
+      const float wf = vq_exp2(mf[k] - s_cm[g]);
+      const float lc = s_cs[g];
       float v = s_ch[g * D + d] * (VHAD ? INV_SQRT_D : 1.0f);
       if (VSMOOTH) v *= static_cast<float>(value_smooth[h * D + d]);
-      if (VMEAN) v += static_cast<float>(value_mean[h * D + d]) * s_cs[g];
-      out[hq * D + d] = static_cast<OUT_T>((v + of) / (s_cs[g] + lf));
+      if (VMEAN) v += static_cast<float>(value_mean[h * D + d]) * lc;
+      out[(hq0 + g) * D + d] = static_cast<OUT_T>((v + wf * of[k]) / (lc + wf * lf[k]));
     }
   }
   }
 """
-COMBINE_CHUNK = 64  # CCH: splits whose weights are read at once
+COMBINE_CHUNK = 128  # CCH: splits whose weights are read at once
 COMBINE_LOADS = 8  # output-row loads in flight per thread (the split loop's unroll x heads)
 
 
-def combine_floats(heads: int, head_dim: int) -> int:
-    """Floats of the combine's threadgroup array for `heads` query heads (COMBINE_FLOATS)."""
-    return 2 * heads + 2 * COMBINE_CHUNK * heads + heads * head_dim
+def combine_floats(heads: int, head_dim: int, threads: int | None = None) -> int:
+    """Floats of the combine's threadgroup array for `heads` query heads merged by `threads`
+    threads (default head_dim)."""
+    warps = (head_dim if threads is None else threads) // 32
+    per_head = max(1, warps // heads)
+    return 2 * heads + heads * per_head + 2 * COMBINE_CHUNK * heads + heads * head_dim
 
 
 def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scratch: str) -> str:
@@ -873,10 +893,11 @@ def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scr
     threads in the threadgroup array `scratch`, its sizes written in as literals."""
     per_slot = -(-heads // (threads // head_dim))
     sizes = {"CNH": heads, "CNT": threads, "CCH": COMBINE_CHUNK, "CPS": per_slot}
+    sizes["CWH"] = max(1, threads // 32 // heads)  # SIMD groups per head for the maxima
     # about COMBINE_LOADS output-row loads in flight per thread: more took the one-launch
     # kernel, whose registers its partial sets, from 96 registers to 127
     sizes["CUN"] = max(1, COMBINE_LOADS // per_slot)
-    body = re.sub(r"\b(CNH|CNT|CCH|CPS|CUN)\b", lambda m: str(sizes[m.group(1)]), _COMBINE_MAIN)
+    body = re.sub(r"\b(CNH|CNT|CCH|CPS|CUN|CWH)\b", lambda m: str(sizes[m.group(1)]), _COMBINE_MAIN)
     return body.replace("COMBINE_FIRST", first).replace("COMBINE_SCRATCH", scratch)
 
 
@@ -1187,7 +1208,7 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
             -max(
                 (1 << lay.key_bits) * krep * lay.key_sub_dim * 4,
                 tg * lay.group * lay.head_dim * 4,
-                4 * combine_floats(lay.group, lay.head_dim),
+                4 * combine_floats(lay.group, lay.head_dim, TILE),
                 encode_threadgroup_bytes(lay),
             )
             // 16
