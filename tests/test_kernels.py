@@ -277,8 +277,7 @@ def _code_agreement(got: np.ndarray, want: mx.array, bits: int, n_sub: int) -> f
 
 @needs_cxx
 # both sources in place (the default); the slice-update variant (the same source but its last
-# writes) on one of them; and CUDA's one-launch kernel, whose output and codes must be the
-# two launches' to the bit (the same sums in the same order)
+# writes) on one of them; and CUDA's one-launch kernel against the two launches
 @pytest.mark.parametrize(
     "backend,in_place,launches",
     [("cuda", True, 2), ("metal", True, 2), ("cuda", False, 2), ("cuda", True, 1)],
@@ -310,9 +309,10 @@ def test_emulated_decode_kernels_match_the_twin(
         reverse = layer > 0  # the one launch: a coded split finishes last, or the exact group
         out, codes, ring = _emulated_attention(backend, c, q, pending, r, launches, reverse)
         assert np.isfinite(out).all()
-        if launches == 1:
+        if launches == 1:  # the two launches' output (their combine sums a head's weights
+            # serially, the one launch's by a SIMD group), codes and ring to the bit
             two = _emulated_attention(backend, c, q, pending, r, 2)
-            np.testing.assert_array_equal(out, two[0])
+            np.testing.assert_allclose(out, two[0], rtol=1e-5, atol=1e-6)
             for got, want in zip((*codes, *ring), (*two[1], *two[2]), strict=True):
                 np.testing.assert_array_equal(got, want)
         np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
@@ -401,9 +401,9 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
         plain = {**pending, "encode": None}
         out, _, _ = _emulated_attention(backend, c, q, plain, r)
         np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
-        if backend == "cuda" and d <= K.TILE:  # one launch: the same bits, in either order
+        if backend == "cuda" and d <= K.TILE:  # one launch, in either order
             one, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
-            np.testing.assert_array_equal(one, out)
+            np.testing.assert_allclose(one, out, rtol=1e-5, atol=1e-6)
 
 
 @needs_cxx
@@ -536,13 +536,10 @@ def test_threadgroup_bytes_are_those_of_the_generated_sources(changes):
     partial, _ = K.attention_kernel_sources(lay, mx.float16, K.TOKENS_PER_THREAD)
     lib = emu.build(partial, "cuda", ["float32"] * len(partial.inputs), ["float32"] * 3)
     assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD)
-    for src, with_combine in (
-        (K.encode_kernel_source(lay), False),
-        (K.combine_encode_kernel_source(lay, mx.float16), True),
-    ):
+    for src in (K.encode_kernel_source(lay), K.combine_encode_kernel_source(lay, mx.float16)):
         outs = ["float32"] * len(src.outputs)
         lib = emu.build(src, "metal", ["float32"] * len(src.inputs), outs)
-        assert emu.threadgroup_bytes(lib) == K.encode_threadgroup_bytes(lay, with_combine)
+        assert emu.threadgroup_bytes(lib) == K.encode_threadgroup_bytes(lay)
     if lay.head_dim <= K.TILE:  # the one launch: the partial's arrays and its count flag
         one = K.one_launch_kernel_source(lay, mx.float16, mx.float16)
         f32, f16 = "float32", "float16"

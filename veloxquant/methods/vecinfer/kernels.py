@@ -148,7 +148,7 @@ class Layout:
             return "value codebooks neither shared nor per head"
         for kernel, nbytes in (
             ("partial attention", threadgroup_bytes(self, TOKENS_PER_THREAD)),
-            ("encode", encode_threadgroup_bytes(self, with_combine=True)),
+            ("encode", encode_threadgroup_bytes(self)),
         ):
             if nbytes > THREADGROUP_LIMIT[backend]:
                 return (
@@ -763,18 +763,70 @@ ENCODE
   }
 """
 
-# The combine's statements: a threadgroup of CNT threads (a multiple of D) merges the splits of
-# CNH query heads from COMBINE_FIRST (one head, or a KV head's G), D threads per head (slot
+# The combine's statements, one query head per threadgroup of D threads (its one threadgroup
+# array, s_x[D], is declared by the caller: the combine alone, or the combine with the encoder,
+# which shares it). The one-launch kernel merges a KV head's G query heads at once instead
+# (_COMBINE_HEADS); this one, kept for the two launches (Metal's path), measured 8-9 us per
+# layer at 16K-64K on the H200, and the G-head merge with one head 15-16 us (two truncated
+# profiler runs, benchmarks/results/one-launch-per-layer-h200.txt).
+_COMBINE_ONE_HEAD = """
+  const int T = iparams[0];
+  const int tps = iparams[2];
+  const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;
+  const int hq = (int)vq_gx;
+  const int h = hq / G;
+  const int d = (int)vq_tid;
+  // the splits' largest max, by every thread at once (a serial pass over the splits' maxima
+  // was a chain of dependent loads); then the merge, unrolled so that several splits' loads
+  // are in flight at once (the order of its sums is that of one pass)
+  float mloc = NEG;
+  for (int s = d; s <= n_splits; s += D) mloc = VQ_FMAX(mloc, part_m[s * HQ + hq]);
+  mloc = vq_simd_max(mloc);
+  if (vq_lane == 0) s_x[vq_warp] = mloc;
+  VQ_BARRIER();
+  float M = s_x[0];
+  for (int w = 1; w < D / 32; ++w) M = VQ_FMAX(M, s_x[w]);
+  VQ_BARRIER();
+  float acc = 0.0f, lc = 0.0f;
+  VQ_UNROLL_BY(8)
+  for (int s = 0; s < n_splits; ++s) {
+    const float w = vq_exp2(part_m[s * HQ + hq] - M);
+    acc += w * part_o[(s * HQ + hq) * D + d];
+    lc += w * part_l[s * HQ + hq];
+  }
+  const float wf = vq_exp2(part_m[n_splits * HQ + hq] - M);
+  const float of = wf * part_o[(n_splits * HQ + hq) * D + d];
+  const float lf = wf * part_l[n_splits * HQ + hq];
+  s_x[d] = acc;
+  VQ_BARRIER();
+  if (VHAD) {
+    for (int len = 1; len < D; len <<= 1) {
+      if (d < D / 2) {
+        const int i = (d / len) * 2 * len + (d % len);
+        const float a = s_x[i], b = s_x[i + len];
+        s_x[i] = a + b;
+        s_x[i + len] = a - b;
+      }
+      VQ_BARRIER();
+    }
+  }
+  float v = s_x[d] * (VHAD ? INV_SQRT_D : 1.0f);
+  if (VSMOOTH) v *= static_cast<float>(value_smooth[h * D + d]);
+  if (VMEAN) v += static_cast<float>(value_mean[h * D + d]) * lc;
+  out[hq * D + d] = static_cast<OUT_T>((v + of) / (lc + lf));
+"""
+
+# The one-launch kernel's combine: its threadgroup of CNT threads (a multiple of D) merges the
+# splits of the CNH query heads from COMBINE_FIRST (a KV head's G), D threads per head (slot
 # vq_tid / D takes heads slot, slot + CNT / D, ...), in the threadgroup array COMBINE_SCRATCH
-# (COMBINE_FLOATS floats, declared by the caller). The heads' maxima (CWH SIMD groups per head),
-# the exact threadgroup's parts, and then each chunk of CCH splits' weights 2^(m - M) and sums
-# are read by all threads at once, so that the only serial loads left are the output rows, every
-# head's in flight together; reading them split by split and head by head was a chain of
-# dependent rounds to L2 (the one-launch kernel's last threadgroup took ~10 us to merge its four
-# heads that way). A head's output rows are summed in split order and its sum by one SIMD
-# group, whatever CNH is, so one launch and two give the same bits. The parts are read with
-# vq_load_cg: in the one-launch kernel other threadgroups wrote them during this launch.
-_COMBINE_MAIN = """
+# (`combine_floats`). The heads' maxima (CWH SIMD groups per head), the exact threadgroup's
+# parts, and then each chunk of CCH splits' weights 2^(m - M) and sums are read by all threads
+# at once, so that the only serial loads left are the output rows, every head's in flight
+# together; _COMBINE_ONE_HEAD's loop over the heads took this threadgroup ~10 us longer than the
+# two launches' partial and combine together. A head's output rows are summed in split order, its
+# sum by one SIMD group. The parts are read with vq_load_cg: other threadgroups of the launch
+# wrote them.
+_COMBINE_HEADS = """
   {
   const int T = iparams[0];
   const int tps = iparams[2];
@@ -889,7 +941,7 @@ def combine_floats(heads: int, head_dim: int, threads: int | None = None) -> int
 
 
 def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scratch: str) -> str:
-    """_COMBINE_MAIN for `heads` query heads from the expression `first` merged by `threads`
+    """_COMBINE_HEADS for `heads` query heads from the expression `first` merged by `threads`
     threads in the threadgroup array `scratch`, its sizes written in as literals."""
     per_slot = -(-heads // (threads // head_dim))
     sizes = {"CNH": heads, "CNT": threads, "CCH": COMBINE_CHUNK, "CPS": per_slot}
@@ -897,7 +949,9 @@ def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scr
     # about COMBINE_LOADS output-row loads in flight per thread: more took the one-launch
     # kernel, whose registers its partial sets, from 96 registers to 127
     sizes["CUN"] = max(1, COMBINE_LOADS // per_slot)
-    body = re.sub(r"\b(CNH|CNT|CCH|CPS|CUN|CWH)\b", lambda m: str(sizes[m.group(1)]), _COMBINE_MAIN)
+    body = re.sub(
+        r"\b(CNH|CNT|CCH|CPS|CUN|CWH)\b", lambda m: str(sizes[m.group(1)]), _COMBINE_HEADS
+    )
     return body.replace("COMBINE_FIRST", first).replace("COMBINE_SCRATCH", scratch)
 
 
@@ -1169,13 +1223,12 @@ def threadgroup_bytes(lay: Layout, r: int) -> int:
     return 4 * floats + c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4
 
 
-def encode_threadgroup_bytes(lay: Layout, with_combine: bool = False) -> int:
-    """Threadgroup memory of the encoder (_ENCODE_SHARED), alone or inside the combine (which
-    adds its own array)."""
+def encode_threadgroup_bytes(lay: Layout) -> int:
+    """Threadgroup memory of the encoder, alone or inside the combine (_ENCODE_SHARED)."""
     d = lay.head_dim
     km, vm = d // lay.key_sub_dim, d // lay.value_sub_dim
     book = max((1 << lay.key_bits) * lay.key_sub_dim, (1 << lay.value_bits) * lay.value_sub_dim)
-    return 4 * (d + max(km, vm) + book + 2 * d + (combine_floats(1, d) if with_combine else 0))
+    return 4 * (d + max(km, vm) + book + 2 * d)
 
 
 def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
@@ -1267,8 +1320,7 @@ def _attention_kernel_sources(
         name="vq_vecinfer_attn_combine",
         inputs=COMBINE_INPUTS,
         outputs=("out",),
-        body=f"\n  VQ_SHARED float s_comb[{combine_floats(1, lay.head_dim)}];\n"
-        + _combine_statements("(int)vq_gx", 1, lay.head_dim, lay.head_dim, "s_comb"),
+        body="\n  VQ_SHARED float s_x[D];\n" + _COMBINE_ONE_HEAD,
         constants={**_common_constants(lay), "OUT_T": out_dtype},
         threads=lay.head_dim,
     )
@@ -1341,9 +1393,8 @@ def combine_encode_kernel_source(
             + (IN_PLACE_INPUTS if in_place else ()),
             outputs=("out",) if in_place else ("out", "key_out", "value_out"),
             body=_ENCODE_SHARED
-            + f"  VQ_SHARED float s_comb[{combine_floats(1, lay.head_dim)}];\n"
             + "  if ((int)vq_gx < HQ) {\n"
-            + _combine_statements("(int)vq_gx", 1, lay.head_dim, lay.head_dim, "s_comb")
+            + _COMBINE_ONE_HEAD
             + "  } else {\n"
             + _encode_statements("((int)vq_gx - HQ) / HKV", "((int)vq_gx - HQ) % HKV", in_place)
             + "  }\n",
