@@ -401,8 +401,12 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
         plain = {**pending, "encode": None}
         out, _, _ = _emulated_attention(backend, c, q, plain, r)
         np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
-        if backend == "cuda" and d <= K.TILE:  # one launch, in either order
+        if backend == "cuda" and d <= K.TILE:  # one launch, in either order, its merge
+            # taking the splits 2 at a time (several chunks)
+            chunk = K.COMBINE_CHUNK
+            monkeypatch.setattr(K, "COMBINE_CHUNK", 2)
             one, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            monkeypatch.setattr(K, "COMBINE_CHUNK", chunk)
             np.testing.assert_allclose(one, out, rtol=1e-5, atol=1e-6)
 
 

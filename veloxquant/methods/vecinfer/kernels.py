@@ -1340,7 +1340,7 @@ def one_launch_kernel_source(
     `window_dtype`. Needs head_dim <= TILE. A decode step's layer is then one custom-kernel call
     instead of two, which on the host is about half of its cost."""
     r = TOKENS_PER_THREAD if r is None else r
-    key = ("one_launch", lay, str(out_dtype), str(window_dtype), r)
+    key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK)
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
         combine = _combine_statements("h * G", lay.group, TILE, lay.head_dim, "s_tail")
