@@ -550,7 +550,7 @@ def test_threadgroup_bytes_are_those_of_the_generated_sources(changes):
         ins = [f16, "int32", f32, "uint8", "uint8", f16, f16, f16, f16, f32, f32] + [f16] * 9
         ins.append("uint32")
         lib = emu.build(one, "cuda", ins, ["float32"] * 4)
-        assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD) + 4
+        assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD, True)
 
 
 def test_layouts_over_the_threadgroup_limit_are_refused(monkeypatch):
@@ -684,6 +684,18 @@ def test_one_launch_is_cuda_only_and_within_a_tile_of_threads(monkeypatch):
         if which == "metal":
             with pytest.raises(ValueError, match="written for cuda only"):
                 vk.compiled(src, ("float16",) * len(src.inputs))
+    # its arrays (the partial's, grown for the merge and the encoder) over CUDA's limit, where
+    # the partial alone fits: two launches
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    two = K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD)
+    assert K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD, True) > two
+    monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", two)
+    K.clear_memos()
+    assert not K.takes_one_launch(lay) and lay.unsupported("cuda") is None
+    monkeypatch.undo()
+    K.clear_memos()
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    assert K.takes_one_launch(lay)
     monkeypatch.setattr(K, "ONE_LAUNCH", False)
     assert not K.takes_one_launch(lay)
 

@@ -1215,12 +1215,21 @@ def _round4(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def threadgroup_bytes(lay: Layout, r: int) -> int:
-    """Threadgroup memory of the partial kernel (Apple GPUs allow 32 KB)."""
+def threadgroup_bytes(lay: Layout, r: int, one_launch: bool = False) -> int:
+    """Threadgroup memory of the partial kernel (Apple GPUs allow 32 KB), or of the one-launch
+    kernel: its codebook array is at least `one_launch_big4`, and a flag."""
     c = _partial_constants(lay, r)
+    big4 = one_launch_big4(lay, c["BIG4"]) if one_launch else c["BIG4"]
     floats = lay.group * lay.head_dim + c["KM"] * c["QS"] + c["P"] * c["WS"] + c["PBUF"]
-    floats += 4 * c["BIG4"] + 3 * lay.group + c["NWARPS"] * lay.group + lay.group * c["NTAY"]
-    return 4 * floats + c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4
+    floats += 4 * big4 + 3 * lay.group + c["NWARPS"] * lay.group + lay.group * c["NTAY"]
+    return 4 * floats + c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4 + (4 if one_launch else 0)
+
+
+def one_launch_big4(lay: Layout, big4: int) -> int:
+    """The one-launch kernel's codebook array (float4s): the partial's `big4`, or more when its
+    last threadgroup's merge or its exact threadgroup's encoder need more (they reuse it)."""
+    tail = max(4 * combine_floats(lay.group, lay.head_dim, TILE), encode_threadgroup_bytes(lay))
+    return max(big4, -(-tail // 16))
 
 
 def encode_threadgroup_bytes(lay: Layout) -> int:
@@ -1255,14 +1264,11 @@ def _partial_constants(lay: Layout, r: int) -> dict[str, Any]:
         "WS": _round4(2 * lay.group),
         "GP": gp,
         "PBUF": _round4(max(TILE * r * gp, lay.group * lay.head_dim)),
-        # key codebook copies, then the reduction of the token strides, then (the one-launch
-        # kernel) the combine's slots and the encoder's arrays
+        # key codebook copies, then the reduction of the token strides (`one_launch_big4`: and
+        # then the one-launch kernel's merge and encoder)
         "BIG4": -(
             -max(
-                (1 << lay.key_bits) * krep * lay.key_sub_dim * 4,
-                tg * lay.group * lay.head_dim * 4,
-                4 * combine_floats(lay.group, lay.head_dim, TILE),
-                encode_threadgroup_bytes(lay),
+                (1 << lay.key_bits) * krep * lay.key_sub_dim * 4, tg * lay.group * lay.head_dim * 4
             )
             // 16
         ),
@@ -1338,7 +1344,7 @@ def one_launch_kernel_source(
     whose exact threadgroup encodes the token leaving the window in place (as the in-place
     combine with the encoder does, when iparams[EP] says there is one). The window ring is
     `window_dtype`. Needs head_dim <= TILE. A decode step's layer is then one custom-kernel call
-    instead of two, which on the host is about half of its cost."""
+    instead of two."""
     r = TOKENS_PER_THREAD if r is None else r
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK)
     if key not in _SOURCES:
@@ -1354,6 +1360,7 @@ def one_launch_kernel_source(
             body=partial.body + tail,
             constants={
                 **partial.constants,
+                "BIG4": one_launch_big4(lay, partial.constants["BIG4"]),
                 "OUT_T": out_dtype,
                 "WIN_T": window_dtype,
                 "EP": ENCODE_PARAM,
@@ -1541,6 +1548,7 @@ def clear_memos(caches: list = ()) -> None:
     benchmarks that swap a kernel body or TILE and rebuild."""
     _SOURCES.clear()
     _CONSTS.clear()
+    _one_launch_fits.cache_clear()
     for c in caches:
         c.__dict__.pop("_kernel_memo", None)
 
@@ -1775,11 +1783,17 @@ def attention_inputs(
 
 def takes_one_launch(lay: Layout) -> bool:
     """Whether a decode step's attention (and in-place encode) is one launch here: ONE_LAUNCH
-    on, MLX on CUDA (the threadgroups hand over through a device-scope fence, which Metal lacks)
-    and head_dim <= TILE (the merge and the encoder take D threads of the TILE)."""
+    on, MLX on CUDA (the threadgroups hand over through a device-scope fence, which Metal lacks),
+    head_dim <= TILE (the merge and the encoder take D threads of the TILE) and its threadgroup
+    arrays within CUDA's limit (else the step is the two launches)."""
     from veloxquant.kernels import backend
 
-    return ONE_LAUNCH and lay.head_dim <= TILE and backend() == "cuda"
+    return ONE_LAUNCH and backend() == "cuda" and _one_launch_fits(lay, TOKENS_PER_THREAD)
+
+
+@functools.lru_cache(maxsize=64)
+def _one_launch_fits(lay: Layout, r: int) -> bool:
+    return lay.head_dim <= TILE and threadgroup_bytes(lay, r, True) <= THREADGROUP_LIMIT["cuda"]
 
 
 def _counter(cache: Any) -> mx.array:
