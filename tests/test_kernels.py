@@ -352,16 +352,15 @@ def test_emulated_decode_kernels_match_the_twin(
 OTHER_LAYOUTS = [(128, 1, (6, 2), (6, 1)), (32, 5, (4, 4), (10, 2)), (256, 2, (8, 4), (8, 4))]
 
 
-@needs_cxx
-@pytest.mark.parametrize("backend", ["cuda", "metal"])
-@pytest.mark.parametrize("layout", OTHER_LAYOUTS, ids=lambda x: f"d{x[0]}g{x[1]}")
-def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout, monkeypatch):
+def _random_cache(layout: tuple, window: int = 20, h: int = 2) -> tuple:
+    """A fused VecInferCache of `layout` (as OTHER_LAYOUTS) with random transforms and
+    codebooks, 3 sinks, and its `normal(*shape, scale)` for random inputs."""
     import mlx.nn as nn
 
     from veloxquant.rope import RopeSpec
 
     d, g, (kb, kd), (vb, vd) = layout
-    h, rng = 2, np.random.default_rng(d + g)
+    rng = np.random.default_rng(d + g)
 
     def normal(*shape, scale=1.0):
         return mx.array((rng.normal(size=shape) * scale).astype(np.float32))
@@ -375,7 +374,7 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
         value_bits=vb,
         value_sub_dim=vd,
         hadamard=True,
-        window=20,
+        window=window,
         sinks=3,
         key_mean=normal(h, d, scale=2.0),
         value_mean=normal(h, d, scale=0.5),
@@ -383,6 +382,16 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
         value_smooth=mx.array(rng.uniform(0.5, 2.0, (h, d)).astype(np.float32)),
     )
     c.fused = True
+    return c, normal
+
+
+@needs_cxx
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+@pytest.mark.parametrize("layout", OTHER_LAYOUTS, ids=lambda x: f"d{x[0]}g{x[1]}")
+def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout, monkeypatch):
+    d, g, (kb, kd), (vb, vd) = layout
+    h = 2
+    c, normal = _random_cache(layout, h=h)
     n = 700  # several splits of whole and partial tiles at r = 1 and 4 (MIN_SPLIT 128)
     c.update_and_fetch(normal(1, h, n, d, scale=2.0), normal(1, h, n, d))
     mx.eval(c.fused_attention(normal(1, h * g, n, d), scale=0.1))
@@ -402,12 +411,17 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
         out, _, _ = _emulated_attention(backend, c, q, plain, r)
         np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
         if backend == "cuda" and d <= K.TILE:  # one launch, in either order, its merge
-            # taking the splits 2 at a time (several chunks)
+            # taking the splits 2 at a time (several chunks), with and without the encode
             chunk = K.COMBINE_CHUNK
             monkeypatch.setattr(K, "COMBINE_CHUNK", 2)
             one, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            one_e = _emulated_attention(backend, c, q, pending, r, 1, reverse=r == 1)
             monkeypatch.setattr(K, "COMBINE_CHUNK", chunk)
             np.testing.assert_allclose(one, out, rtol=1e-5, atol=1e-6)
+            two_e = _emulated_attention(backend, c, q, pending, r, 2)
+            np.testing.assert_allclose(one_e[0], two_e[0], rtol=1e-5, atol=1e-6)
+            for got, want in zip((*one_e[1], *one_e[2]), (*two_e[1], *two_e[2]), strict=True):
+                np.testing.assert_array_equal(got, want)
 
 
 @needs_cxx
@@ -519,6 +533,40 @@ def test_cache_kernel_path_writes_the_cache_in_place(
     assert agree > 0.97
     agree = _code_agreement(np.array(kern.value_codes), twin.value_codes, lay.value_bits, d // 4)
     assert agree > 0.97
+
+
+def test_each_launch_takes_the_cache_s_previous_output(monkeypatch):
+    # MLX orders kernels only by the arrays they take: the one-launch kernel counts its
+    # threadgroups in the cache's own buffer, so two launches of one cache must never run at
+    # once, and each takes the previous one's output (`after`), encoding or not (here the
+    # window is still filling, so no step encodes and nothing is written in place).
+    import veloxquant.kernels as vk
+
+    launched = []
+
+    def recording_launcher(source, input_dtypes):
+        def run(inputs, grid, output_shapes, output_dtypes):
+            launched.append(dict(zip(source.inputs, inputs, strict=True)))
+            return [mx.zeros(s, t) for s, t in zip(output_shapes, output_dtypes, strict=True)]
+
+        return run
+
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    monkeypatch.setattr(vk, "launcher", recording_launcher)
+    c, normal = _random_cache(OTHER_LAYOUTS[0], window=64)
+    h, d = c.smooth.shape
+    c.update_and_fetch(normal(1, h, 40, d), normal(1, h, 40, d))
+    mx.eval(c.fused_attention(normal(1, h, 40, d), scale=0.1))  # the twin (a prefill)
+    outs = []
+    for _ in range(3):
+        c.update_and_fetch(normal(1, h, 1, d), normal(1, h, 1, d))
+        outs.append(c.fused_attention(normal(1, h, 1, d), scale=0.1))
+        assert c.last_attention == "kernel" and c._last_write is None
+    assert [a["counter"] for a in launched[1:]] == [launched[0]["counter"]] * 2
+    assert launched[0]["after"].shape == (8,)  # no launch before: a placeholder
+    assert launched[1]["after"] is outs[0] and launched[2]["after"] is outs[1]
+    twin = copy.copy(c)
+    assert K._counter(twin) is not K._counter(c)  # a copy counts in a buffer of its own
 
 
 def _layout(**kw) -> K.Layout:

@@ -136,6 +136,11 @@ class VecInferCache(CompressedCache):
         self.fused = False
         self._pending: dict | None = None
         self._last_write: mx.array | None = None
+        # the output of the cache's latest kernel launch, which the next one takes as an input
+        # (`after`) so that MLX orders them: the one-launch kernel counts its threadgroups in a
+        # buffer of the cache's, and two launches of one cache running at once in a graph would
+        # mix their counts
+        self._last_launch: mx.array | None = None
         self.last_attention: str | None = None
 
     # -- storage. Codes live in buffers that grow in CODE_STEP-token steps, so the fused path
@@ -506,6 +511,7 @@ class VecInferCache(CompressedCache):
                     self._write_ring(pending)
                 self._encode_leaving(pending)  # keep the cache whole, then fail
                 raise
+            self._last_launch = out
             if in_place:  # the launch wrote the codes and the ring
                 self._n_coded += 1
                 self._last_write = out
@@ -562,7 +568,7 @@ class VecInferCache(CompressedCache):
     @state.setter
     def state(self, v: dict) -> None:
         arrays, meta = unpack_state(type(self).__name__, v)
-        self._last_write = None  # from_state skips __init__
+        self._last_write = self._last_launch = None  # from_state skips __init__
         for name in self._ARRAYS:
             setattr(self, name, arrays[name])
         # a loaded cache attends the way a fresh one would in this process

@@ -1195,8 +1195,9 @@ PARTIAL_INPUTS = (
     "win_v",
     "new_k",
     "new_v",
-    # not read: the output of the cache's latest in-place update (or a placeholder), so that
-    # MLX orders this launch after the write even when the two steps share one evaluation
+    # not read: the output of the cache's latest launch (or a placeholder), so that MLX orders
+    # this launch after it (and after its in-place writes and count) even when the two steps
+    # share one evaluation
     "after",
 )
 
@@ -1714,7 +1715,8 @@ def attention_inputs(
     iparams = _int_params(iparams)
     fparams = _float_params(scale * LOG2E, const["rscale"])
     key_mean, inv_freq = const["key_mean"], const["inv_freq"]
-    last = cache._last_write if cache._last_write is not None else _dummy((8,), queries.dtype)
+    last = cache._last_launch
+    last = last if last is not None else _dummy((8,), queries.dtype)
     partial = [
         queries,  # [1, H_q, 1, D] read flat, as [H_q, D]
         iparams,
@@ -1736,7 +1738,7 @@ def attention_inputs(
         last,
     ]
     in_place = encode is not None and WRITE_IN_PLACE
-    one = takes_one_launch(lay) if one_launch is None else one_launch
+    one = takes_one_launch(lay, r) if one_launch is None else one_launch
     if one and lay.head_dim > TILE:
         raise ValueError(f"one launch needs head_dim <= {TILE}, not {lay.head_dim}")
     one = one and (encode is None or in_place)
@@ -1744,7 +1746,7 @@ def attention_inputs(
     # whose dtypes can change between steps (placeholders before the sinks and the window
     # exist) are in the key, every other input is the cache's own and fixed
     dtypes = (queries.dtype, sk.dtype, sv.dtype, wk.dtype, wv.dtype, nk.dtype, nv.dtype)
-    key = ("plan", n_q, r, encode is not None, in_place, one, last.dtype, *dtypes)
+    key = ("plan", n_q, r, encode is not None, in_place, one, COMBINE_CHUNK, last.dtype, *dtypes)
     memo = cache.__dict__["_kernel_memo"]  # made by layout_of
     plan = memo.get(key)
     if plan is None:
@@ -1781,14 +1783,16 @@ def attention_inputs(
     }
 
 
-def takes_one_launch(lay: Layout) -> bool:
+def takes_one_launch(lay: Layout, r: int | None = None) -> bool:
     """Whether a decode step's attention (and in-place encode) is one launch here: ONE_LAUNCH
     on, MLX on CUDA (the threadgroups hand over through a device-scope fence, which Metal lacks),
     head_dim <= TILE (the merge and the encoder take D threads of the TILE) and its threadgroup
-    arrays within CUDA's limit (else the step is the two launches)."""
+    arrays, with r coded tokens per thread (default TOKENS_PER_THREAD), within CUDA's limit
+    (else the step is the two launches)."""
     from veloxquant.kernels import backend
 
-    return ONE_LAUNCH and backend() == "cuda" and _one_launch_fits(lay, TOKENS_PER_THREAD)
+    r = TOKENS_PER_THREAD if r is None else r
+    return ONE_LAUNCH and backend() == "cuda" and _one_launch_fits(lay, r)
 
 
 @functools.lru_cache(maxsize=64)
