@@ -766,9 +766,9 @@ ENCODE
 # The combine's statements, one query head per threadgroup of D threads (its one threadgroup
 # array, s_x[D], is declared by the caller: the combine alone, or the combine with the encoder,
 # which shares it). The one-launch kernel merges a KV head's G query heads at once instead
-# (_COMBINE_HEADS); this one, kept for the two launches (Metal's path), measured 8-9 us per
-# layer at 16K-64K on the H200, and the G-head merge with one head 15-16 us (two truncated
-# profiler runs, benchmarks/results/one-launch-per-layer-h200.txt).
+# (_COMBINE_HEADS); the two launches (Metal's path) keep this one, which timed faster per head
+# on the H200 than the G-head merge run with one head
+# (benchmarks/results/one-launch-per-layer-h200.txt).
 _COMBINE_ONE_HEAD = """
   const int T = iparams[0];
   const int tps = iparams[2];
@@ -822,10 +822,10 @@ _COMBINE_ONE_HEAD = """
 # (`combine_floats`). The heads' maxima (CWH SIMD groups per head), the exact threadgroup's
 # parts, and then each chunk of CCH splits' weights 2^(m - M) and sums are read by all threads
 # at once, so that the only serial loads left are the output rows, every head's in flight
-# together; _COMBINE_ONE_HEAD's loop over the heads took this threadgroup ~10 us longer than the
-# two launches' partial and combine together. A head's output rows are summed in split order, its
-# sum by one SIMD group. The parts are read with vq_load_cg: other threadgroups of the launch
-# wrote them.
+# together (_COMBINE_ONE_HEAD over the heads in turn was a chain of dependent rounds to L2:
+# benchmarks/results/one-launch-per-layer-h200.txt). A head's output rows are summed in split
+# order, its sum by one SIMD group. The parts are read with vq_load_cg: other threadgroups of
+# the launch wrote them.
 _COMBINE_HEADS = """
   {
   const int T = iparams[0];
@@ -946,8 +946,8 @@ def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scr
     per_slot = -(-heads // (threads // head_dim))
     sizes = {"CNH": heads, "CNT": threads, "CCH": COMBINE_CHUNK, "CPS": per_slot}
     sizes["CWH"] = max(1, threads // 32 // heads)  # SIMD groups per head for the maxima
-    # about COMBINE_LOADS output-row loads in flight per thread: more took the one-launch
-    # kernel, whose registers its partial sets, from 96 registers to 127
+    # about COMBINE_LOADS output-row loads in flight per thread: more raised the one-launch
+    # kernel's registers above the partial's, which set them otherwise
     sizes["CUN"] = max(1, COMBINE_LOADS // per_slot)
     body = re.sub(
         r"\b(CNH|CNT|CCH|CPS|CUN|CWH)\b", lambda m: str(sizes[m.group(1)]), _COMBINE_HEADS
