@@ -213,8 +213,7 @@ def _emulated_attention(
         fresh = (fresh[0], K.combine_encode_kernel_source(lay, mx.float32, win_dtype))
     assert (partial.kernel_name, second.kernel_name) == tuple(k.kernel_name for k in fresh)
     n_q, d = q.shape[1], q.shape[3]
-    ns = a["n_splits"] + 1
-    shapes = [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)]
+    shapes = K.part_shapes(a, n_q, d)
     parts = emu.run(
         partial, backend, [np.array(x) for x in a["partial"]], a["groups"], shapes, ["float32"] * 3
     )
@@ -228,14 +227,8 @@ def _emulated_attention(
         kbuf, vbuf = extra[-4:-2]
         before = [x.copy() for x in (kbuf, vbuf)]
         (out,) = emu.run(second, backend, parts + extra, (n_q + h, 1, 1), [(n_q * d,)], ["float32"])
-        row = pending["n_coded"]
-        for buf, old in zip((kbuf, vbuf), before, strict=True):
-            np.testing.assert_array_equal(np.delete(buf, row, axis=2), np.delete(old, row, axis=2))
-        return (
-            out.reshape(1, n_q, 1, d),
-            (kbuf[:, :, row : row + 1], vbuf[:, :, row : row + 1]),
-            ring,
-        )
+        codes = _written_row(kbuf, vbuf, before, pending["n_coded"])
+        return out.reshape(1, n_q, 1, d), codes, ring
     out, kc, vc = emu.run(
         second,
         backend,
@@ -251,8 +244,7 @@ def _emulated_one_launch(backend: str, a: dict, q, pending, reverse: bool):
     (src,) = a["sources"]
     assert src.name == "vq_vecinfer_attn_one_launch"
     n_q, d = q.shape[1], q.shape[3]
-    ns = a["n_splits"] + 1
-    shapes = [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,), (n_q * d,)]
+    shapes = [*K.part_shapes(a, n_q, d), (n_q * d,)]
     ins = [np.array(x) for x in a["partial"]]
     at = {name: ins[i] for i, name in enumerate(src.inputs)}
     before = [at[name].copy() for name in ("key_codes", "value_codes", "win_k", "win_v")]
@@ -262,12 +254,16 @@ def _emulated_one_launch(backend: str, a: dict, q, pending, reverse: bool):
         for name, old in zip(("key_codes", "value_codes", "win_k", "win_v"), before, strict=True):
             np.testing.assert_array_equal(at[name], old)
         return out.reshape(1, n_q, 1, d), None, None
-    row = pending["n_coded"]
-    kbuf, vbuf = at["key_codes"], at["value_codes"]
-    for buf, old in zip((kbuf, vbuf), before[:2], strict=True):
-        np.testing.assert_array_equal(np.delete(buf, row, axis=2), np.delete(old, row, axis=2))
-    codes = (kbuf[:, :, row : row + 1], vbuf[:, :, row : row + 1])
+    codes = _written_row(at["key_codes"], at["value_codes"], before[:2], pending["n_coded"])
     return out.reshape(1, n_q, 1, d), codes, (at["win_k"], at["win_v"])
+
+
+def _written_row(kbuf, vbuf, before: list, row: int) -> tuple:
+    """The (key, value) codes an in-place launch wrote at `row` of the code buffers, after
+    checking that every other row is as `before`."""
+    for buf, old in zip((kbuf, vbuf), before, strict=True):
+        np.testing.assert_array_equal(np.delete(buf, row, axis=2), np.delete(old, row, axis=2))
+    return kbuf[:, :, row : row + 1], vbuf[:, :, row : row + 1]
 
 
 def _code_agreement(got: np.ndarray, want: mx.array, bits: int, n_sub: int) -> float:

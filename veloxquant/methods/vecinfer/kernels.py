@@ -1821,20 +1821,22 @@ def decode_attention(
     return launch_attention(attention_inputs(cache, queries, scale, pending), queries)
 
 
+def part_shapes(a: dict, n_q: int, head_dim: int) -> list[tuple[int, ...]]:
+    """Shapes of the partial kernel's outputs for inputs from `attention_inputs`: every split's
+    (and the exact threadgroup's) running max and sum per query head (8 spare elements, see
+    `veloxquant.kernels.launch`), and its output rows."""
+    ns = a["n_splits"] + 1
+    return [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * head_dim,)]
+
+
 def launch_partial(a: dict, queries: mx.array) -> list[mx.array]:
     """The first decode-attention launch on inputs from `attention_inputs` (of two launches):
     every split's (and the exact threadgroup's) running max, sum and output per query head,
     float32."""
     if len(a["sources"]) != 2:
         raise ValueError("launch_partial: inputs of the one-launch kernel (one_launch=False)")
-    n_q, d = queries.shape[1], queries.shape[3]
-    ns = a["n_splits"] + 1
-    return _launchers(a)[0](
-        a["partial"],
-        a["groups"],
-        [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,)],
-        [mx.float32] * 3,
-    )
+    shapes = part_shapes(a, queries.shape[1], queries.shape[3])
+    return _launchers(a)[0](a["partial"], a["groups"], shapes, [mx.float32] * 3)
 
 
 def _launchers(a: dict) -> list:
@@ -1865,11 +1867,10 @@ def launch_attention(
     lay = a["layout"]
     n_q, d = queries.shape[1], queries.shape[3]
     if len(a["sources"]) == 1:  # one launch: partial, merge and encode
-        ns = a["n_splits"] + 1
         *_, out = _launchers(a)[0](
             a["partial"],
             a["groups"],
-            [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * d,), (1, n_q, 1, d)],
+            [*part_shapes(a, n_q, d), (1, n_q, 1, d)],
             [mx.float32] * 3 + [queries.dtype],
         )
         return out, None
