@@ -16,9 +16,11 @@ For each context and arm:
   not by the GPU, and generate_step's overlap cannot help;
 - peak memory of the filled cache and the step.
 
-With `--bounds`, three more VecInfer arms on caches of their own: `two_launches`, the partial and
+With `--bounds`, four more VecInfer arms on caches of their own: `two_launches`, the partial and
 the combine as separate launches (`kernels.ONE_LAUNCH` off; where MLX runs on CUDA a step's
-layer is otherwise one launch), and two whose outputs are wrong and whose times are bounds:
+layer is otherwise one launch), `inline_source`, MLX holding each kernel's whole source rather
+than an #include of it (`veloxquant.kernels.CUDA_SOURCE_FILES` off), and two whose outputs are
+wrong and whose times are bounds:
 `no_combine` skips the combine (two-launch inputs, the partial's output, cast, standing in for
 the attention) and `no_attention` skips the attention (the query stands in for it; the model's
 step without attention, which no cache can beat). On the CPU fused caches take the pure-MLX
@@ -38,7 +40,7 @@ import cProfile
 import pstats
 import time
 
-import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import veloxquant.kernels  # preloads OpenBLAS before mlx (import veloxquant)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
@@ -170,14 +172,16 @@ def bound_arms(model, ctx: int) -> dict:
 
     real = kernels.launch_attention
 
-    def use(fn, one_launch: bool = True):
+    def use(fn, one_launch: bool = True, source_files: bool = True):
         def select():
             kernels.launch_attention = fn
             kernels.ONE_LAUNCH = one_launch
+            veloxquant.kernels.CUDA_SOURCE_FILES = source_files
 
         return select
 
     arms = {"vecinfer": use(real), "two_launches": use(real, one_launch=False)}
+    arms["inline_source"] = use(real, source_files=False)
     arms["no_combine"] = use(partial_only, one_launch=False)
     arms["no_attention"] = use(lambda a, queries: (queries, None))
     return {

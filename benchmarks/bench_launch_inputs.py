@@ -1,6 +1,9 @@
 """What one MLX CUDA custom-kernel launch costs per call, by number of inputs, source size,
 threadgroup memory and threadgroups (each kernel does nothing: it copies 8 floats). 32 calls
 per evaluation, interleaved repeats, median per call of the whole call and of its evaluation.
+The "include" arms hand MLX a one-line source that #includes the same padded body from a file
+(what `veloxquant.kernels.CUDA_SOURCE_FILES` does): MLX copies a kernel's source into every
+call's primitive and hashes it at every evaluation.
 
     python benchmarks/bench_launch_inputs.py
 """
@@ -9,16 +12,28 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
-# (inputs, bytes of comment padding in the source, bytes of shared memory, threadgroups)
-ARMS = [(2, 0, 0, 1), (17, 0, 0, 1), (17, 16000, 0, 1), (17, 0, 30000, 1), (17, 0, 30000, 520)]
+# (inputs, bytes of comment padding in the source, bytes of shared memory, threadgroups, the
+# source from a file)
+ARMS = [
+    (2, 0, 0, 1, False),
+    (17, 0, 0, 1, False),
+    (17, 16000, 0, 1, False),
+    (17, 0, 30000, 1, False),
+    (17, 0, 30000, 520, False),
+    (21, 0, 0, 1, False),
+    (21, 36000, 0, 1, False),
+    (21, 36000, 0, 1, True),
+]
 
 
-def make_kernel(n_inputs: int, pad: int, shared: int):
+def make_kernel(n_inputs: int, pad: int, shared: int, from_file: bool):
     body = ""
     if shared:
         body += f"  __shared__ float s_big[{shared // 4}];\n"
@@ -26,8 +41,12 @@ def make_kernel(n_inputs: int, pad: int, shared: int):
     body += "  unsigned int i = threadIdx.x;\n"
     body += "  if (i < 8) out[i] = x0[i]" + (" + s_big[i]" if shared else "") + ";\n"
     body += ("  // " + "x" * 96 + "\n") * (pad // 100)
+    if from_file:
+        path = Path(tempfile.mkdtemp(prefix="vq-launch-")) / "body.cuh"
+        path.write_text(body)
+        body = f'#include "{path}"\n'
     return mx.fast.cuda_kernel(
-        name=f"vq_launch_{n_inputs}_{pad}_{shared}",
+        name=f"vq_launch_{n_inputs}_{pad}_{shared}_{int(from_file)}",
         input_names=[f"x{i}" for i in range(n_inputs)],
         output_names=["out"],
         source=body,
@@ -41,11 +60,11 @@ def main() -> None:
     args = p.parse_args()
     if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         raise SystemExit("needs MLX's CUDA backend")
-    xs = [mx.random.normal((8,)) for _ in range(20)]
+    xs = [mx.random.normal((8,)) for _ in range(max(a[0] for a in ARMS))]
     mx.eval(xs)
     arms = {}
-    for n_inputs, pad, shared, groups in ARMS:
-        kernel = make_kernel(n_inputs, pad, shared)
+    for n_inputs, pad, shared, groups, from_file in ARMS:
+        kernel = make_kernel(n_inputs, pad, shared, from_file)
 
         def run(kernel=kernel, n_inputs=n_inputs, groups=groups) -> float:
             outs = [
@@ -62,7 +81,9 @@ def main() -> None:
             mx.eval(outs)
             return time.perf_counter() - t0
 
-        arms[f"{n_inputs} inputs, {pad} B source pad, {shared} B shared, {groups} groups"] = run
+        where = ", included" if from_file else ""
+        name = f"{n_inputs} inputs, {pad} B source pad{where}, {shared} B shared, {groups} groups"
+        arms[name] = run
     for run in arms.values():  # warm-up: compile
         run()
     times = {k: [] for k in arms}
@@ -75,7 +96,7 @@ def main() -> None:
     for name, v in times.items():
         whole = statistics.median(a for a, _ in v) * 1e6
         evaluation = statistics.median(b for _, b in v) * 1e6
-        print(f"  {name:<52} {whole:.1f} us, of which evaluation {evaluation:.1f} us")
+        print(f"  {name:<62} {whole:.1f} us, of which evaluation {evaluation:.1f} us")
 
 
 if __name__ == "__main__":

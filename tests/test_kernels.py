@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
@@ -769,6 +771,44 @@ def test_one_compiled_kernel_per_input_dtype_set(which, monkeypatch):
         vk.launch(src, [x], (1, 1, 1), [(8,)], [mx.float32])
     assert len(names) == 2 and len(set(names)) == 2  # built once per dtype set, never shared
     assert all(n.startswith(src.kernel_name) for n in names)
+
+
+def test_cuda_kernels_reach_mlx_as_an_include_of_their_source(monkeypatch):
+    """MLX copies and hashes a CUDA kernel's source at every call: it gets one #include line of
+    a file holding the body (and one of the header), unless CUDA_SOURCE_FILES is off. What MLX
+    is asked to compile is recorded on its side."""
+    import veloxquant.kernels as vk
+
+    calls = []
+
+    def fake_kernel(**kw):
+        calls.append(kw)
+        return lambda **k: [mx.zeros(s, mx.float32) for s in k["output_shapes"]]
+
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    monkeypatch.setattr(vk, "_COMPILED", {})
+    monkeypatch.setattr(vk, "_LAUNCHERS", {})
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    src = vk.KernelSource(name="probe", inputs=("x",), outputs=("y",), body="  y[0] = x[0];\n")
+    x = mx.zeros((8,))
+    for files in (True, False, True):
+        monkeypatch.setattr(vk, "CUDA_SOURCE_FILES", files)
+        vk.launch(src, [x], (1, 1, 1), [(8,)], [mx.float32])
+    assert len(calls) == 2  # one kernel per way of handing the source, each built once
+    included, inline = calls
+    assert inline["source"] == src.cuda_body() and inline["header"] == src.header("cuda")
+    for key, text in (("source", src.cuda_body()), ("header", src.header("cuda"))):
+        line = included[key]
+        path = re.fullmatch(r'#include "(/[^"]+\.cuh)"\n', line).group(1)
+        assert Path(path).read_text() == text
+    assert included["name"] == inline["name"]  # the same kernel, handed over two ways
+    # a body that reads an input's shape needs MLX to see the name: refused by name
+    shaped = vk.KernelSource(
+        name="shaped", inputs=("x",), outputs=("y",), body="y[0] = x_shape[0];"
+    )
+    monkeypatch.setattr(vk, "CUDA_SOURCE_FILES", True)
+    with pytest.raises(ValueError, match="x_shape.*CUDA_SOURCE_FILES"):
+        vk.cuda_kernel_text(shaped)
 
 
 def test_layer_constants_are_the_caches_and_a_state_load_forgets_them(

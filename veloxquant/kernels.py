@@ -44,13 +44,19 @@ pure-MLX reference path instead.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+
+from veloxquant.io import write_bytes_atomic
 
 SIMD_WIDTH = 32
 
@@ -299,7 +305,7 @@ def backend() -> str | None:
     return None
 
 
-_COMPILED: dict[tuple[str, str, tuple[str, ...]], Any] = {}
+_COMPILED: dict[tuple[str, str, tuple[str, ...], bool], Any] = {}
 
 
 def compiled_name(source: KernelSource, input_dtypes: tuple[str, ...]) -> str:
@@ -311,6 +317,48 @@ def compiled_name(source: KernelSource, input_dtypes: tuple[str, ...]) -> str:
     return f"{source.kernel_name}_{digest}"
 
 
+# MLX's CUDA backend copies a custom kernel's whole source into the primitive of every call
+# and hashes it at every evaluation (mlx/backend/cuda/custom_kernel.cpp, 0.32): per layer and
+# decode step, for the 34 KB attention kernel. With CUDA_SOURCE_FILES the source MLX holds is
+# one #include line of a file written once per process, which NVRTC reads when it compiles.
+CUDA_SOURCE_FILES = True
+_SOURCE_DIR: list[Path] = []  # this process's directory of included sources, made on first use
+
+
+def cuda_kernel_text(source: KernelSource) -> tuple[str, str]:
+    """(source, header) to hand `mx.fast.cuda_kernel` for `source`: its body and header as they
+    are, or (CUDA_SOURCE_FILES) one #include line each of a file holding that text."""
+    body, header = source.cuda_body(), source.header("cuda")
+    if not CUDA_SOURCE_FILES:
+        return body, header
+    # MLX passes an input's shape, strides or ndim only when the source it holds names them
+    for name in source.inputs:
+        for suffix in ("_shape", "_strides", "_ndim"):
+            if name + suffix in body:
+                raise ValueError(
+                    f"{source.name}: the body reads {name + suffix}, which MLX passes only when "
+                    "it sees the name in the source; set kernels.CUDA_SOURCE_FILES = False"
+                )
+    return _include_line(body), _include_line(header)
+
+
+def _include_line(text: str) -> str:
+    if not _SOURCE_DIR:
+        path = Path(tempfile.mkdtemp(prefix="veloxquant-cuda-"))
+        if '"' in str(path) or "\\" in str(path):
+            path.rmdir()
+            raise RuntimeError(
+                f"{path}: NVRTC cannot #include from a directory whose name holds a quote or a "
+                "backslash; point TMPDIR elsewhere, or set kernels.CUDA_SOURCE_FILES = False"
+            )
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        _SOURCE_DIR.append(path)
+    path = _SOURCE_DIR[0] / f"{hashlib.sha1(text.encode()).hexdigest()}.cuh"
+    if not path.exists():  # named by its content: an existing file holds this text
+        write_bytes_atomic(path, text.encode())
+    return f'#include "{path}"\n'
+
+
 def compiled(source: KernelSource, input_dtypes: tuple[str, ...]) -> Any | None:
     """The MLX kernel object for the current backend (built once per configuration and input
     dtypes), or None on the CPU. Call it with MLX's usual keyword arguments (inputs, grid,
@@ -320,16 +368,17 @@ def compiled(source: KernelSource, input_dtypes: tuple[str, ...]) -> Any | None:
         return None
     if which not in source.backends:
         raise ValueError(f"{source.name} is written for {', '.join(source.backends)} only")
-    key = (which, source.kernel_name, input_dtypes)
+    key = (which, source.kernel_name, input_dtypes, which == "cuda" and CUDA_SOURCE_FILES)
     if key not in _COMPILED:
         name = compiled_name(source, input_dtypes)
         if which == "cuda":
+            text, header = cuda_kernel_text(source)
             _COMPILED[key] = mx.fast.cuda_kernel(
                 name=name,
                 input_names=list(source.inputs),
                 output_names=list(source.outputs),
-                source=source.cuda_body(),
-                header=source.header("cuda"),
+                source=text,
+                header=header,
             )
         else:
             _COMPILED[key] = mx.fast.metal_kernel(
@@ -376,7 +425,7 @@ def launcher(source: KernelSource, input_dtypes: tuple[mx.Dtype, ...]) -> Any:
     host time per call, is then not repeated."""
     # memo by the dtype objects: spelling every input's dtype as a string each call was most of
     # launch()'s own cost
-    key = (backend(), source.kernel_name, input_dtypes)
+    key = (backend(), source.kernel_name, input_dtypes, CUDA_SOURCE_FILES)
     kernel = _LAUNCHERS.get(key)
     if kernel is None:
         kernel = compiled(source, tuple(str(d) for d in input_dtypes))
