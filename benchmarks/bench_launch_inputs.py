@@ -20,35 +20,40 @@ import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
 # (inputs, bytes of comment padding in the source, bytes of shared memory, threadgroups, the
-# source from a file)
+# source from a file, outputs)
 ARMS = [
-    (2, 0, 0, 1, False),
-    (17, 0, 0, 1, False),
-    (17, 16000, 0, 1, False),
-    (17, 0, 30000, 1, False),
-    (17, 0, 30000, 520, False),
-    (21, 0, 0, 1, False),
-    (21, 36000, 0, 1, False),
-    (21, 36000, 0, 1, True),
+    (2, 0, 0, 1, False, 1),
+    (17, 0, 0, 1, False, 1),
+    (17, 16000, 0, 1, False, 1),
+    (17, 0, 30000, 1, False, 1),
+    (17, 0, 30000, 520, False, 1),
+    (21, 0, 0, 1, False, 1),
+    (21, 36000, 0, 1, False, 1),
+    (21, 36000, 0, 1, True, 1),
+    (21, 0, 0, 1, False, 4),
+    (13, 0, 0, 1, False, 4),
+    (13, 0, 0, 1, False, 1),
+    (6, 0, 0, 1, False, 1),
 ]
 
 
-def make_kernel(n_inputs: int, pad: int, shared: int, from_file: bool):
+def make_kernel(n_inputs: int, pad: int, shared: int, from_file: bool, n_outputs: int):
     body = ""
     if shared:
         body += f"  __shared__ float s_big[{shared // 4}];\n"
         body += "  s_big[threadIdx.x] = 1.0f;\n  __syncthreads();\n"
     body += "  unsigned int i = threadIdx.x;\n"
-    body += "  if (i < 8) out[i] = x0[i]" + (" + s_big[i]" if shared else "") + ";\n"
+    body += "  if (i < 8) out0[i] = x0[i]" + (" + s_big[i]" if shared else "") + ";\n"
+    body += "".join(f"  if (i < 8) out{o}[i] = x0[i];\n" for o in range(1, n_outputs))
     body += ("  // " + "x" * 96 + "\n") * (pad // 100)
     if from_file:
         path = Path(tempfile.mkdtemp(prefix="vq-launch-")) / "body.cuh"
         path.write_text(body)
         body = f'#include "{path}"\n'
     return mx.fast.cuda_kernel(
-        name=f"vq_launch_{n_inputs}_{pad}_{shared}_{int(from_file)}",
+        name=f"vq_launch_{n_inputs}_{pad}_{shared}_{int(from_file)}_{n_outputs}",
         input_names=[f"x{i}" for i in range(n_inputs)],
-        output_names=["out"],
+        output_names=[f"out{o}" for o in range(n_outputs)],
         source=body,
     )
 
@@ -63,17 +68,17 @@ def main() -> None:
     xs = [mx.random.normal((8,)) for _ in range(max(a[0] for a in ARMS))]
     mx.eval(xs)
     arms = {}
-    for n_inputs, pad, shared, groups, from_file in ARMS:
-        kernel = make_kernel(n_inputs, pad, shared, from_file)
+    for n_inputs, pad, shared, groups, from_file, n_outputs in ARMS:
+        kernel = make_kernel(n_inputs, pad, shared, from_file, n_outputs)
 
-        def run(kernel=kernel, n_inputs=n_inputs, groups=groups) -> float:
+        def run(kernel=kernel, n_inputs=n_inputs, groups=groups, n_out=n_outputs) -> float:
             outs = [
                 kernel(
                     inputs=xs[:n_inputs],
                     grid=(128 * groups, 1, 1),
                     threadgroup=(128, 1, 1),
-                    output_shapes=[(8,)],
-                    output_dtypes=[mx.float32],
+                    output_shapes=[(8,)] * n_out,
+                    output_dtypes=[mx.float32] * n_out,
                 )[0]
                 for _ in range(args.calls)
             ]
@@ -83,6 +88,7 @@ def main() -> None:
 
         where = ", included" if from_file else ""
         name = f"{n_inputs} inputs, {pad} B source pad{where}, {shared} B shared, {groups} groups"
+        name += f", {n_outputs} outputs" if n_outputs > 1 else ""
         arms[name] = run
     for run in arms.values():  # warm-up: compile
         run()
@@ -96,7 +102,7 @@ def main() -> None:
     for name, v in times.items():
         whole = statistics.median(a for a, _ in v) * 1e6
         evaluation = statistics.median(b for _, b in v) * 1e6
-        print(f"  {name:<62} {whole:.1f} us, of which evaluation {evaluation:.1f} us")
+        print(f"  {name:<72} {whole:.1f} us, of which evaluation {evaluation:.1f} us")
 
 
 if __name__ == "__main__":

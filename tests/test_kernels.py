@@ -246,12 +246,14 @@ def _emulated_one_launch(backend: str, a: dict, q, pending, reverse: bool):
     (src,) = a["sources"]
     assert src.name == "vq_vecinfer_attn_one_launch"
     n_q, d = q.shape[1], q.shape[3]
-    shapes = [*K.part_shapes(a, n_q, d), (n_q * d,)]
+    shapes = [K.one_launch_shapes(a, n_q, d)[0], (n_q * d,)]
     ins = [np.array(x) for x in a["partial"]]
     at = {name: ins[i] for i, name in enumerate(src.inputs)}
     before = [at[name].copy() for name in ("key_codes", "value_codes", "win_k", "win_v")]
-    *_, out = emu.run(src, backend, ins, a["groups"], shapes, ["float32"] * 4, reverse=reverse)
-    assert not at["counter"].any()  # every launch leaves the count at zero for the next
+    pack = at["layer_pack"].copy()
+    _, out = emu.run(src, backend, ins, a["groups"], shapes, ["float32"] * 2, reverse=reverse)
+    # the pack as it was: every launch leaves the count (in it) at zero for the next
+    np.testing.assert_array_equal(at["layer_pack"], pack)
     if not a["encode"]:
         for name, old in zip(("key_codes", "value_codes", "win_k", "win_v"), before, strict=True):
             np.testing.assert_array_equal(at[name], old)
@@ -560,11 +562,51 @@ def test_each_launch_takes_the_cache_s_previous_output(monkeypatch):
         c.update_and_fetch(normal(1, h, 1, d), normal(1, h, 1, d))
         outs.append(c.fused_attention(normal(1, h, 1, d), scale=0.1))
         assert c.last_attention == "kernel" and c._last_write is None
-    assert [a["counter"] for a in launched[1:]] == [launched[0]["counter"]] * 2
+    assert all(a["layer_pack"] is launched[0]["layer_pack"] for a in launched)  # one count
     assert launched[0]["after"].shape == (8,)  # no launch before: a placeholder
     assert launched[1]["after"] is outs[0] and launched[2]["after"] is outs[1]
     twin = copy.copy(c)
-    assert K._counter(twin) is not K._counter(c)  # a copy counts in a buffer of its own
+    r = K.TOKENS_PER_THREAD
+    assert K.layer_pack(c, h, r, 0.1) is launched[0]["layer_pack"]
+    assert K.layer_pack(twin, h, r, 0.1) is not K.layer_pack(c, h, r, 0.1)  # a count of its own
+
+
+def test_layer_pack_holds_the_cache_s_constants():
+    # the one-launch kernel reads a layer's constants from one buffer: each segment must hold
+    # the cache's array bit for bit, at the offset the kernel source is compiled with
+    c, _ = _random_cache(OTHER_LAYOUTS[0])
+    h, d = c.smooth.shape
+    r, scale = K.TOKENS_PER_THREAD, 0.25
+    lay = K.layout_of(c, 2 * h)
+    segments = K.pack_segments(lay)
+    pack = np.array(K.layer_pack(c, 2 * h, r, scale)).view(np.uint8)
+    assert pack.size == 4 * segments["end"][0]
+    const = K.layer_constants(c, r)
+    want = {
+        "fparams": np.array([scale * K.LOG2E, const["rscale"]] + [0] * 6, np.float32),
+        "counter": np.zeros(8, np.uint32),
+        "key_book": np.array(c.key_codebook),
+        "value_book": np.array(c.value_codebook),
+        "smooth": np.array(c.smooth),
+        "key_mean": np.array(c.key_mean),
+        "value_smooth": np.array(c.value_smooth),
+        "value_mean": np.array(c.value_mean),
+        "inv_freq": np.array(const["inv_freq"]),
+        "phase_table": np.array(const["table"]),
+    }
+    src = K.one_launch_kernel_source(lay, mx.float16, mx.float16, r)
+    for name, x in want.items():
+        off, n, dtype = segments[name]
+        assert off % 4 == 0 and src.constants[f"OFF_{name.upper()}"] == off
+        assert x.dtype == np.dtype(K.PACK_TYPES[dtype]) and x.size <= n
+        got = pack[4 * off : 4 * off + x.nbytes].view(x.dtype)
+        np.testing.assert_array_equal(got, x.reshape(-1))
+    # a cache whose arrays do not match its layout is refused by name, not packed short
+    c2, _ = _random_cache(OTHER_LAYOUTS[0])
+    K.layout_of(c2, 2 * h)
+    c2.smooth = c2.smooth[:1]
+    with pytest.raises(ValueError, match="smooth has"):
+        K.layer_pack(c2, 2 * h, r, scale)
 
 
 def _layout(**kw) -> K.Layout:
@@ -592,10 +634,8 @@ def test_threadgroup_bytes_are_those_of_the_generated_sources(changes):
         assert emu.threadgroup_bytes(lib) == K.encode_threadgroup_bytes(lay)
     if lay.head_dim <= K.TILE:  # the one launch: the partial's arrays and its count flag
         one = K.one_launch_kernel_source(lay, mx.float16, mx.float16)
-        f32, f16 = "float32", "float16"
-        ins = [f16, "int32", f32, "uint8", "uint8", f16, f16, f16, f16, f32, f32] + [f16] * 9
-        ins.append("uint32")
-        lib = emu.build(one, "cuda", ins, ["float32"] * 4)
+        ins = ["float16", "int32", "uint8", "uint8", "uint32"] + ["float16"] * 7
+        lib = emu.build(one, "cuda", ins, ["float32"] * 2)
         assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD, True)
 
 

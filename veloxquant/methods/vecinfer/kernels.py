@@ -1337,6 +1337,118 @@ def _attention_kernel_sources(
 COMBINE_INPUTS = ("part_m", "part_l", "part_o", "iparams", "value_smooth", "value_mean")
 
 
+# The one-launch kernel's arguments. Each argument costs MLX's CUDA launch ~0.3 us of host time
+# per call and each output ~1.5 us, per layer and decode step
+# (benchmarks/results/kernel-arguments-h200.txt), so a layer's constants (the float
+# parameters, the finished-threadgroup count, the codebooks, the transforms, the RoPE tables)
+# travel in one buffer of the cache's own, `layer_pack`, and the splits' parts in one output.
+ONE_LAUNCH_INPUTS = (
+    "q",
+    "iparams",
+    "key_codes",
+    "value_codes",
+    "layer_pack",
+    "sink_k",
+    "sink_v",
+    "win_k",
+    "win_v",
+    "new_k",
+    "new_v",
+    "after",  # as in PARTIAL_INPUTS
+)
+PACK_TYPES = {"float32": np.float32, "float16": np.float16, "uint32": np.uint32}
+
+# The names the partial kernel and the encoder read, as views of the pack (CUDA: the one-launch
+# kernel is CUDA-only).
+_ONE_LAUNCH_PACK = """
+  const float* fparams = reinterpret_cast<const float*>(layer_pack + OFF_FPARAMS);
+  const uint32_t* counter = layer_pack + OFF_COUNTER;
+  const HALF_T* key_book = reinterpret_cast<const HALF_T*>(layer_pack + OFF_KEY_BOOK);
+  const HALF_T* value_book = reinterpret_cast<const HALF_T*>(layer_pack + OFF_VALUE_BOOK);
+  const HALF_T* smooth = reinterpret_cast<const HALF_T*>(layer_pack + OFF_SMOOTH);
+  const HALF_T* key_mean = reinterpret_cast<const HALF_T*>(layer_pack + OFF_KEY_MEAN);
+  const HALF_T* value_smooth = reinterpret_cast<const HALF_T*>(layer_pack + OFF_VALUE_SMOOTH);
+  const HALF_T* value_mean = reinterpret_cast<const HALF_T*>(layer_pack + OFF_VALUE_MEAN);
+  const float* inv_freq = reinterpret_cast<const float*>(layer_pack + OFF_INV_FREQ);
+  const float* phase_table = reinterpret_cast<const float*>(layer_pack + OFF_PHASE_TABLE);
+"""
+
+# Every split's running max, sum and output rows in the one output `parts`: [part_m][part_l]
+# [part_o], each of the first two n_splits + 1 by HQ plus 8 spare floats, rounded to float4s.
+_ONE_LAUNCH_PARTS = """
+  const int part_stride = ((n_splits + 1) * HQ + 8 + 3) & ~3;
+  float* part_m = parts;
+  float* part_l = parts + part_stride;
+  float* part_o = parts + 2 * part_stride;
+"""
+
+
+def pack_segments(lay: Layout) -> dict[str, tuple[int, int, str]]:
+    """{name: (offset in 32-bit words, elements, dtype)} of `layer_pack`'s segments, each on a
+    16-byte boundary; a segment the layout never reads has no elements."""
+    h, d, p = lay.n_kv_heads, lay.head_dim, lay.head_dim // 2
+    hd = h * d
+    sizes = {
+        "fparams": (8, "float32"),
+        "counter": (max(8, h), "uint32"),
+        "key_book": (lay.key_books * (1 << lay.key_bits) * lay.key_sub_dim, "float16"),
+        "value_book": (lay.value_books * (1 << lay.value_bits) * lay.value_sub_dim, "float16"),
+        "smooth": (hd, "float16"),
+        "key_mean": (hd if lay.center else 0, "float16"),
+        "value_smooth": (hd if lay.value_smooth else 0, "float16"),
+        "value_mean": (hd if lay.value_mean else 0, "float16"),
+        "inv_freq": (p if lay.center else 0, "float32"),
+        "phase_table": (p * (TILE + 1) * 2 if lay.center else 0, "float32"),
+    }
+    out, off = {}, 0
+    for name, (n, dtype) in sizes.items():
+        out[name] = (off, n, dtype)
+        words = -(-n * np.dtype(PACK_TYPES[dtype]).itemsize // 4)
+        off += -(-words // 4) * 4
+    out["end"] = (off, 0, "uint32")
+    return out
+
+
+def layer_pack(cache: Any, n_q_heads: int, r: int, scale: float) -> mx.array:
+    """The one-launch kernel's `layer_pack` for this cache (uint32 words; `pack_segments`):
+    copies of its constant arrays, the float parameters of attention scale `scale` and a
+    finished-threadgroup count at zero, which every launch leaves at zero. Memoised on the
+    cache with its other constants; a copy of the cache gets a pack, and a count, of its own."""
+    return _layer_pack(cache, layout_of(cache, n_q_heads), layer_constants(cache, r), r, scale)
+
+
+def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> mx.array:
+    fparams = (scale * LOG2E, const["rscale"])
+    memo = cache.__dict__["_kernel_memo"]
+    key = ("pack", lay, r, fparams)
+    if key not in memo:
+        arrays = {
+            "fparams": mx.array([*fparams] + [0.0] * 6, mx.float32),
+            "key_book": cache.key_codebook,
+            "value_book": cache.value_codebook,
+            "smooth": cache.smooth,
+            "key_mean": cache.key_mean,
+            "value_smooth": cache.value_smooth,
+            "value_mean": cache.value_mean,
+            "inv_freq": const["inv_freq"],
+            "phase_table": const["table"],
+        }
+        segments = pack_segments(lay)
+        pack = np.zeros(segments["end"][0] * 4, np.uint8)
+        for name, (off, n, dtype) in segments.items():
+            if not n or name == "counter":
+                continue
+            x = np.array(arrays[name].astype(getattr(mx, dtype))).reshape(-1)
+            if x.size != n:
+                raise ValueError(
+                    f"vecinfer: the cache's {name} has {x.size} elements where its layout reads "
+                    f"{n}; the cache's arrays do not match its own shapes (a corrupt state?)"
+                )
+            pack[off * 4 : off * 4 + x.nbytes] = x.view(np.uint8)
+        memo[key] = mx.array(pack.view(np.uint32))
+    return memo[key]
+
+
 def one_launch_kernel_source(
     lay: Layout, out_dtype: mx.Dtype, window_dtype: mx.Dtype, r: int | None = None
 ) -> KernelSource:
@@ -1354,17 +1466,23 @@ def one_launch_kernel_source(
         encode = _encode_statements("0", "(int)vq_gy", in_place=True)
         encode = re.sub(r"\bk_in\b", "win_k", re.sub(r"\bv_in\b", "win_v", encode))
         tail = _ONE_LAUNCH_TAIL.replace("COMBINE", combine).replace("ENCODE", encode)
+        splits = "  const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;\n"
+        assert partial.body.count(splits) == 1
+        body = partial.body.replace(splits, splits + _ONE_LAUNCH_PARTS)
+        offsets = {f"OFF_{n.upper()}": off for n, (off, _, _) in pack_segments(lay).items()}
         _SOURCES[key] = KernelSource(
             name="vq_vecinfer_attn_one_launch",
-            inputs=PARTIAL_INPUTS + ("value_smooth", "value_mean", "counter"),
-            outputs=("part_m", "part_l", "part_o", "out"),
-            body=partial.body + tail,
+            inputs=ONE_LAUNCH_INPUTS,
+            outputs=("parts", "out"),
+            body=_ONE_LAUNCH_PACK + body + tail,
             constants={
                 **partial.constants,
+                **offsets,
                 "BIG4": one_launch_big4(lay, partial.constants["BIG4"]),
                 "OUT_T": out_dtype,
                 "WIN_T": window_dtype,
                 "EP": ENCODE_PARAM,
+                "HALF_T": mx.float16,
             },
             threads=TILE,
             helpers=partial.helpers,
@@ -1672,13 +1790,15 @@ def attention_inputs(
 ) -> dict:
     """Everything the decode-attention launches take, for a one-token query [1, H_q, 1, D]:
     {'layout', 'sources': (partial, combine) or (one-launch kernel,), 'partial': [inputs of
-    the first launch], 'combine_extra': [iparams, value_smooth, value_mean, and the encoder's
-    inputs when pending has a token to encode; empty for one launch], 'groups', 'n_splits',
-    'r', 'encode': whether the launch that merges also encodes, 'in_place'}. `one_launch`
+    the first launch, PARTIAL_INPUTS or ONE_LAUNCH_INPUTS], 'combine_extra': [iparams,
+    value_smooth, value_mean, and the encoder's inputs when pending has a token to encode;
+    empty for one launch], 'groups', 'n_splits', 'r', 'encode': whether the launch that
+    merges also encodes, 'in_place'}. `one_launch`
     (default: `takes_one_launch`) picks one launch where the step allows it (the encode, if
     any, in place); benchmarks of the partial kernel alone pass False."""
     _, n_q, _, d = queries.shape
     lay = layout_of(cache, n_q)
+    memo = cache.__dict__["_kernel_memo"]  # made by layout_of
     h = lay.n_kv_heads
     n_coded = int(pending["n_coded"])
     r = TOKENS_PER_THREAD if r is None else r
@@ -1712,42 +1832,32 @@ def attention_inputs(
     else:
         iparams += [0, 0, 0, 0]
     iparams.append(const["exact_pairs"])  # at PHASE_PARAM
-    iparams = _int_params(iparams)
-    fparams = _float_params(scale * LOG2E, const["rscale"])
-    key_mean, inv_freq = const["key_mean"], const["inv_freq"]
+    iparams = _int_params_of(tuple(iparams))
     last = cache._last_launch
     last = last if last is not None else _dummy((8,), queries.dtype)
-    partial = [
-        queries,  # [1, H_q, 1, D] read flat, as [H_q, D]
-        iparams,
-        fparams,
-        kbuf,
-        vbuf,
-        cache.key_codebook,
-        cache.value_codebook,
-        cache.smooth,
-        key_mean,
-        inv_freq,
-        const["table"],
-        sk,
-        sv,
-        wk,
-        wv,
-        nk,
-        nv,
-        last,
-    ]
     in_place = encode is not None and WRITE_IN_PLACE
-    one = takes_one_launch(lay, r) if one_launch is None else one_launch
+    if one_launch is None:  # memoised: the kernels only run on the one GPU backend there is
+        one_launch = memo.get(("one", r, ONE_LAUNCH))
+        if one_launch is None:
+            one_launch = memo[("one", r, ONE_LAUNCH)] = takes_one_launch(lay, r)
+    one = one_launch
     if one and lay.head_dim > TILE:
         raise ValueError(f"one launch needs head_dim <= {TILE}, not {lay.head_dim}")
     one = one and (encode is None or in_place)
+    if one:  # ONE_LAUNCH_INPUTS
+        pack = _layer_pack(cache, lay, const, r, scale)
+        partial = [queries, iparams, kbuf, vbuf, pack, sk, sv, wk, wv, nk, nv, last]
+    else:  # PARTIAL_INPUTS
+        fparams = _float_params(scale * LOG2E, const["rscale"])
+        key_mean, inv_freq = const["key_mean"], const["inv_freq"]
+        partial = [queries, iparams, fparams, kbuf, vbuf, cache.key_codebook]
+        partial += [cache.value_codebook, cache.smooth, key_mean, inv_freq, const["table"]]
+        partial += [sk, sv, wk, wv, nk, nv, last]
     # the kernels and their launchers for this kind of step, memoised on the cache: the inputs
     # whose dtypes can change between steps (placeholders before the sinks and the window
     # exist) are in the key, every other input is the cache's own and fixed
     dtypes = (queries.dtype, sk.dtype, sv.dtype, wk.dtype, wv.dtype, nk.dtype, nv.dtype)
     key = ("plan", n_q, r, encode is not None, in_place, one, COMBINE_CHUNK, last.dtype, *dtypes)
-    memo = cache.__dict__["_kernel_memo"]  # made by layout_of
     plan = memo.get(key)
     if plan is None:
         if one:
@@ -1760,7 +1870,6 @@ def attention_inputs(
                 sources = (sources[0], combine)
         plan = memo[key] = {"sources": sources, "launchers": None}
     if one:
-        partial += [const["value_smooth"], const["value_mean"], _counter(cache)]
         extra = []
     else:
         extra = [iparams, const["value_smooth"], const["value_mean"]]
@@ -1800,16 +1909,6 @@ def _one_launch_fits(lay: Layout, r: int) -> bool:
     return lay.head_dim <= TILE and threadgroup_bytes(lay, r, True) <= THREADGROUP_LIMIT["cuda"]
 
 
-def _counter(cache: Any) -> mx.array:
-    """The one-launch kernel's count of finished threadgroups per KV head: a buffer of the
-    cache's own (>= 8 uint32, written in place; every launch leaves it at zero), from numpy so
-    that it is a real buffer and not a broadcast MLX would copy."""
-    memo = cache.__dict__.setdefault("_kernel_memo", {})
-    if "counter" not in memo:
-        memo["counter"] = mx.array(np.zeros(max(8, int(cache.smooth.shape[0])), np.uint32))
-    return memo["counter"]
-
-
 def decode_attention(
     cache: Any, queries: mx.array, scale: float, pending: dict
 ) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
@@ -1827,6 +1926,14 @@ def part_shapes(a: dict, n_q: int, head_dim: int) -> list[tuple[int, ...]]:
     `veloxquant.kernels.launch`), and its output rows."""
     ns = a["n_splits"] + 1
     return [(ns * n_q + 8,), (ns * n_q + 8,), (ns * n_q * head_dim,)]
+
+
+def one_launch_shapes(a: dict, n_q: int, head_dim: int) -> list[tuple[int, ...]]:
+    """Shapes of the one-launch kernel's outputs: the splits' parts (`_ONE_LAUNCH_PARTS`), then
+    the attention output."""
+    ns = a["n_splits"] + 1
+    stride = -(-(ns * n_q + 8) // 4) * 4
+    return [(2 * stride + ns * n_q * head_dim,), (1, n_q, 1, head_dim)]
 
 
 def launch_partial(a: dict, queries: mx.array) -> list[mx.array]:
@@ -1867,12 +1974,8 @@ def launch_attention(
     lay = a["layout"]
     n_q, d = queries.shape[1], queries.shape[3]
     if len(a["sources"]) == 1:  # one launch: partial, merge and encode
-        *_, out = _launchers(a)[0](
-            a["partial"],
-            a["groups"],
-            [*part_shapes(a, n_q, d), (1, n_q, 1, d)],
-            [mx.float32] * 3 + [queries.dtype],
-        )
+        shapes = one_launch_shapes(a, n_q, d)
+        _, out = _launchers(a)[0](a["partial"], a["groups"], shapes, [mx.float32, queries.dtype])
         return out, None
     combine = _launchers(a)[1]  # the combine with the encoder if a["encode"]
     parts = [*launch_partial(a, queries), *a["combine_extra"]]
