@@ -579,8 +579,9 @@ def test_layer_pack_holds_the_cache_s_constants():
     r, scale = K.TOKENS_PER_THREAD, 0.25
     lay = K.layout_of(c, 2 * h)
     segments = K.pack_segments(lay)
+    before = c.nbytes
     pack = np.array(K.layer_pack(c, 2 * h, r, scale)).view(np.uint8)
-    assert pack.size == 4 * segments["end"][0]
+    assert pack.size == 4 * segments["end"][0] == c.nbytes - before  # resident, so counted
     const = K.layer_constants(c, r)
     want = {
         "fparams": np.array([scale * K.LOG2E, const["rscale"]] + [0] * 6, np.float32),

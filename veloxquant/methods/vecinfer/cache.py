@@ -335,12 +335,16 @@ class VecInferCache(CompressedCache):
     def nbytes(self) -> int:
         # Everything resident and nothing else: packed codes (their whole buffers, unfilled
         # capacity included), the fp16 window and sinks, this layer's fp16 codebooks, means and
-        # smooth scales (so once per layer), f32 RoPE frequencies. The dequantized keys/values
-        # built in update_and_fetch are transient and not counted.
+        # smooth scales (so once per layer), f32 RoPE frequencies, and the copies of those the
+        # CUDA decode kernel reads (its layer_pack, once it exists). The dequantized
+        # keys/values built in update_and_fetch are transient and not counted.
+        from veloxquant.methods.vecinfer import kernels
+
         stored = {"key_codes": "_kbuf", "value_codes": "_vbuf"}
         stored.update(window_keys="_wk", window_values="_wv")
         arrays = (getattr(self, stored.get(name, name)) for name in self._ARRAYS)
-        return int(sum(a.nbytes for a in arrays if a is not None))
+        own = sum(a.nbytes for a in arrays if a is not None)
+        return int(own + kernels.kernel_bytes(self))
 
     # -- fused attention: update_and_fetch only updates the cache and returns its inputs
     # unchanged; veloxquant.attention routes the model's attention call to `fused_attention`,

@@ -1417,6 +1417,12 @@ def layer_pack(cache: Any, n_q_heads: int, r: int, scale: float) -> mx.array:
     return _layer_pack(cache, layout_of(cache, n_q_heads), layer_constants(cache, r), r, scale)
 
 
+def kernel_bytes(cache: Any) -> int:
+    """Bytes of the buffers the kernels keep on `cache` (its layer packs)."""
+    memo = cache.__dict__.get("_kernel_memo", {})
+    return sum(v.nbytes for k, v in memo.items() if isinstance(k, tuple) and k[0] == "pack")
+
+
 def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> mx.array:
     fparams = (scale * LOG2E, const["rscale"])
     memo = cache.__dict__["_kernel_memo"]
