@@ -244,7 +244,10 @@ def build(source: KernelSource, backend: str, in_types: list[str], out_types: li
     else:
         tu = source.metal_translation_unit(in_types, out_types)
     tu += "\n" + _stub(source, backend, in_types, out_types)
-    digest = hashlib.sha1(tu.encode()).hexdigest()[:16]
+    # the shim is part of what a library was built with: its emulator state is one object per
+    # process (an inline variable, which the loader unifies across libraries), so libraries
+    # built against two versions of the shim must never be loaded together
+    digest = hashlib.sha1((tu + _CUDA_SHIM + _METAL_SHIM).encode()).hexdigest()[:16]
     lib = _CACHE / f"{source.name}_{backend}_{digest}.so"
     if not lib.exists():
         # pytest-xdist workers may build the same library at once: each writes through its
