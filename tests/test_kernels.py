@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -830,6 +831,7 @@ def test_cuda_kernels_reach_mlx_as_an_include_of_their_source(monkeypatch):
     monkeypatch.setattr(vk, "_COMPILED", {})
     monkeypatch.setattr(vk, "_LAUNCHERS", {})
     monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    monkeypatch.setattr(vk, "_SOURCE_DIR", [])  # a directory of this test's own
     src = vk.KernelSource(name="probe", inputs=("x",), outputs=("y",), body="  y[0] = x[0];\n")
     x = mx.zeros((8,))
     for files in (True, False, True):
@@ -843,6 +845,12 @@ def test_cuda_kernels_reach_mlx_as_an_include_of_their_source(monkeypatch):
         path = re.fullmatch(r'#include "(/[^"]+\.cuh)"\n', line).group(1)
         assert Path(path).read_text() == text
     assert included["name"] == inline["name"]  # the same kernel, handed over two ways
+    # the files live until the process that wrote them exits (not a forked child)
+    folder = Path(path).parent
+    vk._remove_source_dir(folder, os.getpid() + 1)
+    assert Path(path).exists()
+    vk._remove_source_dir(folder, os.getpid())
+    assert not folder.exists()
     # a body that reads an input's shape needs MLX to see the name: refused by name
     shaped = vk.KernelSource(
         name="shaped", inputs=("x",), outputs=("y",), body="y[0] = x_shape[0];"

@@ -47,6 +47,7 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import os
 import re
 import shutil
 import tempfile
@@ -351,12 +352,17 @@ def _include_line(text: str) -> str:
                 f"{path}: NVRTC cannot #include from a directory whose name holds a quote or a "
                 "backslash; point TMPDIR elsewhere, or set kernels.CUDA_SOURCE_FILES = False"
             )
-        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        atexit.register(_remove_source_dir, path, os.getpid())
         _SOURCE_DIR.append(path)
     path = _SOURCE_DIR[0] / f"{hashlib.sha1(text.encode()).hexdigest()}.cuh"
     if not path.exists():  # named by its content: an existing file holds this text
         write_bytes_atomic(path, text.encode())
     return f'#include "{path}"\n'
+
+
+def _remove_source_dir(path: Path, owner: int) -> None:
+    if os.getpid() == owner:  # not a forked child's exit: the parent may still compile from it
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def compiled(source: KernelSource, input_dtypes: tuple[str, ...]) -> Any | None:
