@@ -39,7 +39,9 @@ the kernels assume.
 Nothing here needs a GPU: the sources are plain strings, so CI (CPU) checks that every kernel
 generates both and that the Metal one is well-formed (`check_metal_source`). `compiled` builds
 the callable for the backend MLX runs on, or returns None on the CPU, where callers take the
-pure-MLX reference path instead.
+pure-MLX reference path instead. On CUDA, MLX is handed an #include of the body and header,
+written once per process to a temporary directory (`CUDA_SOURCE_FILES`): MLX copies and hashes
+the source it holds at every call.
 """
 
 from __future__ import annotations

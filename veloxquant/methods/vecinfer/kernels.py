@@ -1177,6 +1177,8 @@ def _common_constants(lay: Layout) -> dict[str, Any]:
     }
 
 
+# The exact tokens' rows: fp16 sinks, the window ring, the call's own token(s).
+EXACT_INPUTS = ("sink_k", "sink_v", "win_k", "win_v", "new_k", "new_v")
 PARTIAL_INPUTS = (
     "q",
     "iparams",
@@ -1189,12 +1191,7 @@ PARTIAL_INPUTS = (
     "key_mean",
     "inv_freq",
     "phase_table",
-    "sink_k",
-    "sink_v",
-    "win_k",
-    "win_v",
-    "new_k",
-    "new_v",
+    *EXACT_INPUTS,
     # not read: the output of the cache's latest launch (or a placeholder), so that MLX orders
     # this launch after it (and after its in-place writes and count) even when the two steps
     # share one evaluation
@@ -1348,12 +1345,7 @@ ONE_LAUNCH_INPUTS = (
     "key_codes",
     "value_codes",
     "layer_pack",
-    "sink_k",
-    "sink_v",
-    "win_k",
-    "win_v",
-    "new_k",
-    "new_v",
+    *EXACT_INPUTS,
     "after",  # as in PARTIAL_INPUTS
 )
 PACK_TYPES = {"float32": np.float32, "float16": np.float16, "uint32": np.uint32}
