@@ -1421,7 +1421,7 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
     key = ("pack", lay, r, fparams)
     if key not in memo:
         arrays = {
-            "fparams": mx.array([*fparams] + [0.0] * 6, mx.float32),
+            "fparams": _float_params(*fparams),
             "key_book": cache.key_codebook,
             "value_book": cache.value_codebook,
             "smooth": cache.smooth,
@@ -1830,7 +1830,7 @@ def attention_inputs(
     else:
         iparams += [0, 0, 0, 0]
     iparams.append(const["exact_pairs"])  # at PHASE_PARAM
-    iparams = _int_params_of(tuple(iparams))
+    iparams = _int_params(iparams)
     last = cache._last_launch
     last = last if last is not None else _dummy((8,), queries.dtype)
     in_place = encode is not None and WRITE_IN_PLACE
