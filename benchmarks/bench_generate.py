@@ -26,6 +26,9 @@ the attention) and `no_attention` skips the attention (the query stands in for i
 step without attention, which no cache can beat). On the CPU fused caches take the pure-MLX
 twin, which none of the swaps touches.
 
+With `--mma`, one more: `vecinfer_mma`, the one-launch kernel with its coded tokens on the
+tensor cores (`kernels.MMA`, off by default until measured here).
+
 With `--profile`, cProfile of the host graph build of a few fused steps (top functions by own
 time).
 
@@ -166,20 +169,26 @@ def partial_only(a: dict, queries: mx.array) -> tuple[mx.array, None]:
     return part_o[: n_q * d].reshape(1, n_q, 1, d).astype(queries.dtype), None
 
 
-def bound_arms(model, ctx: int) -> dict:
-    """--bounds' arms: {name: (caches, select)}, select swapping the attention launches."""
+def use_kernels(fn=None, one_launch: bool = True, source_files: bool = True, mma: bool = False):
+    """An arm's select: the attention launches `fn` (default the real ones) with the kernels'
+    switches as given, the defaults being the default path but MMA off."""
     from veloxquant.methods.vecinfer import kernels
 
-    real = kernels.launch_attention
+    real = kernels.launch_attention if fn is None else fn
 
-    def use(fn, one_launch: bool = True, source_files: bool = True):
-        def select():
-            kernels.launch_attention = fn
-            kernels.ONE_LAUNCH = one_launch
-            veloxquant.kernels.CUDA_SOURCE_FILES = source_files
+    def select():
+        kernels.launch_attention = real
+        kernels.ONE_LAUNCH = one_launch
+        kernels.MMA = mma
+        veloxquant.kernels.CUDA_SOURCE_FILES = source_files
 
-        return select
+    return select
 
+
+def bound_arms(model, ctx: int) -> dict:
+    """--bounds' arms: {name: (caches, select)}, select swapping the attention launches."""
+    use = use_kernels
+    real = None
     arms = {"vecinfer": use(real), "two_launches": use(real, one_launch=False)}
     arms["inline_source"] = use(real, source_files=False)
     arms["no_combine"] = use(partial_only, one_launch=False)
@@ -194,6 +203,7 @@ def main() -> None:
     p = decode_arguments(__doc__, contexts=[4096, 16384], repeats=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--bounds", action="store_true", help="arms without the combine / attention")
+    p.add_argument("--mma", action="store_true", help="an arm with kernels.MMA on")
     args = p.parse_args()
 
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
@@ -214,6 +224,9 @@ def main() -> None:
             build_and_step(model, caches, token)
             arms[name], peaks[name] = (caches, lambda: None), mx.get_peak_memory()
         arms = {name: arms[name] for name in ("fp16", "vecinfer")}  # fp16 is the baseline
+        arms["vecinfer"] = (arms["vecinfer"][0], use_kernels())
+        if args.mma:
+            arms["vecinfer_mma"] = (default_layout_caches(model, ctx), use_kernels(mma=True))
         if args.bounds:
             for name, (caches, select) in bound_arms(model, ctx).items():
                 arms[name] = (caches or arms[name][0], select)
@@ -221,8 +234,7 @@ def main() -> None:
         print(f"context {ctx}: {args.tokens} generated tokens, {args.repeats} interleaved repeats")
         print_decode(result)
         kv = {name: sum(c.nbytes for c in caches) for name, (caches, _) in arms.items()}
-        if args.bounds:
-            arms["vecinfer"][1]()  # the real launches again
+        arms["vecinfer"][1]()  # the default launches again
         paths = {c.last_attention for c in arms["vecinfer"][0]}
         gib = 2**30
         print(

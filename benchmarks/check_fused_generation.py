@@ -31,8 +31,10 @@ def main() -> None:
         action="store_true",
         help="update the fused caches by MLX operations instead of in place (WRITE_IN_PLACE off)",
     )
+    p.add_argument("--mma", action="store_true", help="coded tokens on the tensor cores (MMA)")
     args = p.parse_args()
     K.WRITE_IN_PLACE = not args.slice_updates
+    K.MMA = args.mma
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
     config = KVCacheConfig(method="vecinfer", uncalibrated=True)
     worst = 0.0

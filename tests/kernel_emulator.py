@@ -83,6 +83,7 @@ struct vq_emu_state {
   std::barrier<>* block = nullptr;
   std::vector<std::barrier<>*> warps;
   float xchg[32][32];
+  uint32_t xfrag[32][32][6];  // per SIMD group and lane: mma and movmatrix operands
 };
 inline vq_emu_state vq_emu;
 inline thread_local unsigned vq_emu_tid = 0;
@@ -126,6 +127,7 @@ _CUDA_SHIM = (
 #define __host__
 #define __forceinline__ inline
 #define __grid_constant__
+#define __launch_bounds__(...)
 #define VQ_SHARED static
 #define VQ_TG
 typedef vq_half __half;
@@ -148,6 +150,74 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
 }
 namespace cooperative_groups {}
+// veloxquant's tensor-core helpers (`_MMA_HELPERS`) by their PTX fragment layouts (g = L / 4,
+// t = L % 4 of lane L; pairs in the low then high half of a register): mma m16n8k16 holds
+// A[g][2t..], A[g + 8][2t..], A[g][2t + 8..], A[g + 8][2t + 8..], B[2t..][g], B[2t + 8..][g]
+// and C[g][2t..], C[g + 8][2t..]; an 8x8 b16 fragment holds M[g][2t..]
+#define VQ_WARP_MMA
+inline uint16_t vq_emu_bits(vq_half h) {
+  uint16_t u;
+  std::memcpy(&u, &h.v, 2);
+  return u;
+}
+inline float vq_emu_half(uint32_t w, int upper) {
+  const uint16_t u = (uint16_t)(upper ? w >> 16 : w & 0xffffu);
+  vq_half h;
+  std::memcpy(&h.v, &u, 2);
+  return (float)h;
+}
+inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t bytes = ((uint64_t)y << 32) | x;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) {
+    r |= (uint32_t)((bytes >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  }
+  return r;
+}
+inline uint32_t vq_pack_half2(float lo, float hi) {
+  return (uint32_t)vq_emu_bits(vq_half(lo)) | ((uint32_t)vq_emu_bits(vq_half(hi)) << 16);
+}
+inline void vq_mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const unsigned lane = vq_emu_tid & 31u, w = vq_emu_tid >> 5;
+  for (int i = 0; i < 4; ++i) vq_emu.xfrag[w][lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) vq_emu.xfrag[w][lane][4 + i] = b[i];
+  vq_emu.warps[w]->arrive_and_wait();
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    const uint32_t* f = vq_emu.xfrag[w][l];
+    for (int u = 0; u < 2; ++u) {
+      A[g][2 * t + u] = vq_emu_half(f[0], u);
+      A[g + 8][2 * t + u] = vq_emu_half(f[1], u);
+      A[g][2 * t + 8 + u] = vq_emu_half(f[2], u);
+      A[g + 8][2 * t + 8 + u] = vq_emu_half(f[3], u);
+      B[2 * t + u][g] = vq_emu_half(f[4], u);
+      B[2 * t + 8 + u][g] = vq_emu_half(f[5], u);
+    }
+  }
+  const int g = lane >> 2, t = lane & 3;
+  for (int e = 0; e < 4; ++e) {
+    const int m = g + (e >> 1) * 8, n = 2 * t + (e & 1);
+    float sum = c[e];
+    for (int k = 0; k < 16; ++k) sum += A[m][k] * B[k][n];
+    c[e] = sum;
+  }
+  vq_emu.warps[w]->arrive_and_wait();
+}
+inline uint32_t vq_movmatrix_trans(uint32_t x) {
+  const unsigned lane = vq_emu_tid & 31u, w = vq_emu_tid >> 5;
+  vq_emu.xfrag[w][lane][0] = x;
+  vq_emu.warps[w]->arrive_and_wait();
+  // M^T[g][2t + u] = M[2t + u][g]: half g % 2 of the register of lane 4 (2t + u) + g / 2
+  const unsigned g = lane >> 2, t = lane & 3u;
+  uint32_t y = 0;
+  for (unsigned u = 0; u < 2; ++u) {
+    const uint32_t src = vq_emu.xfrag[w][4 * (2 * t + u) + g / 2][0];
+    y |= (g % 2 ? src >> 16 : src & 0xffffu) << (16 * u);
+  }
+  vq_emu.warps[w]->arrive_and_wait();
+  return y;
+}
 """
 )
 

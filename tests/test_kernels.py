@@ -271,6 +271,17 @@ def _written_row(kbuf, vbuf, before: list, row: int) -> tuple:
     return kbuf[:, :, row : row + 1], vbuf[:, :, row : row + 1]
 
 
+def _one_launch_tolerance(lay: K.Layout, r: int, want: np.ndarray) -> dict:
+    """How close the one launch's output must come to the two launches' (or the twin's): the
+    same sums in another order (1e-5), or, with its coded tokens on the tensor cores, f16
+    operands (q~, the phase coefficients and table, the probabilities: each within 2^-11 of
+    its value, so the output moves by ~5e-4 of its scale; a wrong fragment, token or pair
+    moves it by O(1))."""
+    if K.mma_takes(lay, r):
+        return {"rtol": 0, "atol": 2e-3 * max(1.0, np.abs(want).max())}
+    return {"rtol": 1e-5, "atol": 1e-6}
+
+
 def _code_agreement(got: np.ndarray, want: mx.array, bits: int, n_sub: int) -> float:
     got_codes = np.array(unpack_codes(mx.array(got), bits, n_sub))
     return float((got_codes == np.array(unpack_codes(want, bits, n_sub))).mean())
@@ -278,20 +289,28 @@ def _code_agreement(got: np.ndarray, want: mx.array, bits: int, n_sub: int) -> f
 
 @needs_cxx
 # both sources in place (the default); the slice-update variant (the same source but its last
-# writes) on one of them; and CUDA's one-launch kernel against the two launches
+# writes) on one of them; and CUDA's one-launch kernel against the two launches, its coded
+# tokens on the tensor cores (the default) and on the CUDA cores
 @pytest.mark.parametrize(
-    "backend,in_place,launches",
-    [("cuda", True, 2), ("metal", True, 2), ("cuda", False, 2), ("cuda", True, 1)],
+    "backend,in_place,launches,mma",
+    [
+        ("cuda", True, 2, True),
+        ("metal", True, 2, True),
+        ("cuda", False, 2, True),
+        ("cuda", True, 1, True),
+        ("cuda", True, 1, False),
+    ],
 )
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_emulated_decode_kernels_match_the_twin(
-    backend, name, in_place, launches, smollm2, bundle, prompt, monkeypatch
+    backend, name, in_place, launches, mma, smollm2, bundle, prompt, monkeypatch
 ):
     model, _ = smollm2
     caches = _caches(model, _config(name, bundle), True, monkeypatch)
     _prefill(model, caches, prompt)
     monkeypatch.setattr(K, "MIN_SPLIT", 128)  # several splits from a short context
     monkeypatch.setattr(K, "WRITE_IN_PLACE", in_place)
+    monkeypatch.setattr(K, "MMA", mma)
     for layer, r, steps in ((0, 1, 3), (7, 2, 5)):  # 2: K.TOKENS_PER_THREAD; 4 below
         # decode steps first, so the ring has turned: the token leaving the window is not in
         # slot 0 (the slot and the position are checked against the cache's own counters)
@@ -310,13 +329,16 @@ def test_emulated_decode_kernels_match_the_twin(
         reverse = layer > 0  # the one launch: a coded split finishes last, or the exact group
         out, codes, ring = _emulated_attention(backend, c, q, pending, r, launches, reverse)
         assert np.isfinite(out).all()
+        tol = {"atol": 1e-4 * max(1.0, np.abs(ref).max()), "rtol": 0}
         if launches == 1:  # the two launches' output (their combine sums a head's weights
             # serially, the one launch's by a SIMD group), codes and ring to the bit
+            assert K.mma_takes(lay, r) is mma  # the real model's layouts take either path
             two = _emulated_attention(backend, c, q, pending, r, 2)
-            np.testing.assert_allclose(out, two[0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(out, two[0], **_one_launch_tolerance(lay, r, two[0]))
             for got, want in zip((*codes, *ring), (*two[1], *two[2]), strict=True):
                 np.testing.assert_array_equal(got, want)
-        np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
+            tol = tol if not mma else _one_launch_tolerance(lay, r, ref)
+        np.testing.assert_allclose(out, ref, **tol)
         # the window was full: the same launch encoded the token leaving it (ring slot, at its
         # absolute position) as the cache's encoder does
         old_k, old_v = (mx.array(x[:, :, slot : slot + 1]).astype(mx.float32) for x in (wk, wv))
@@ -348,9 +370,10 @@ def test_emulated_decode_kernels_match_the_twin(
 
 
 # Layouts the real model's caches do not have: (head_dim, query heads per KV head, key
-# (bits, sub_dim), value (bits, sub_dim)). Value codes that cross 32-bit words (6 and 10 bits),
-# one query head per KV head and G * D below a tile, the smallest and the largest head_dim.
-OTHER_LAYOUTS = [(128, 1, (6, 2), (6, 1)), (32, 5, (4, 4), (10, 2)), (256, 2, (8, 4), (8, 4))]
+# (bits, sub_dim), value (bits, sub_dim)). Codes that cross 32-bit words (keys of 5 bits, values
+# of 6 and 10), one query head per KV head and G * D below a tile, the smallest and the largest
+# head_dim, and every sub_dim of keys and values.
+OTHER_LAYOUTS = [(128, 1, (5, 1), (6, 1)), (32, 5, (4, 4), (10, 2)), (256, 2, (8, 4), (8, 4))]
 
 
 def _random_cache(layout: tuple, window: int = 20, h: int = 2) -> tuple:
@@ -404,6 +427,7 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
     assert lay.unsupported(backend) is None
     assert lay.value_bits == vb and lay.group == g
     monkeypatch.setattr(K, "MIN_SPLIT", 128)
+    monkeypatch.setattr(K, "MMA", True)
     c._reserve_codes(1)
     for r in (1, 4):
         assert K.attention_inputs(c, q, 1.0, pending, r=r)["n_splits"] >= 2
@@ -417,10 +441,15 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
             monkeypatch.setattr(K, "COMBINE_CHUNK", 2)
             one, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             one_e = _emulated_attention(backend, c, q, pending, r, 1, reverse=r == 1)
+            assert K.mma_takes(lay, r)  # these layouts take the tensor cores ...
+            monkeypatch.setattr(K, "MMA", False)  # ... and the CUDA cores without them
+            one_fma, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            monkeypatch.setattr(K, "MMA", True)
             monkeypatch.setattr(K, "COMBINE_CHUNK", chunk)
-            np.testing.assert_allclose(one, out, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(one, out, **_one_launch_tolerance(lay, r, out))
+            np.testing.assert_allclose(one_fma, out, rtol=1e-5, atol=1e-6)
             two_e = _emulated_attention(backend, c, q, pending, r, 2)
-            np.testing.assert_allclose(one_e[0], two_e[0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(one_e[0], two_e[0], **_one_launch_tolerance(lay, r, out))
             for got, want in zip((*one_e[1], *one_e[2]), (*two_e[1], *two_e[2]), strict=True):
                 np.testing.assert_array_equal(got, want)
 
@@ -572,13 +601,39 @@ def test_each_launch_takes_the_cache_s_previous_output(monkeypatch):
     assert K.layer_pack(twin, h, r, 0.1) is not K.layer_pack(c, h, r, 0.1)  # a count of its own
 
 
-def test_layer_pack_holds_the_cache_s_constants():
+def test_tensor_core_kernel_needs_whole_blocks_of_code_rows(monkeypatch):
+    # the tensor-core kernel reads whole 16-token blocks of code rows: buffers set whole (a
+    # saved state's) are refused by name, and the cache regrows them to CODE_STEP steps
+    monkeypatch.setattr(K, "MMA", True)
+    c, normal = _random_cache(OTHER_LAYOUTS[0])
+    h, d = c.smooth.shape
+    c.update_and_fetch(normal(1, h, 300, d), normal(1, h, 300, d))
+    mx.eval(c.fused_attention(normal(1, h, 300, d), scale=0.1))
+    kc, vc = np.array(c.key_codes), np.array(c.value_codes)
+    assert kc.shape[2] % 16  # 300 - 3 sinks - 20 in the window
+    c.key_codes, c.value_codes = mx.array(kc), mx.array(vc)  # buffers of exactly that size
+    c.update_and_fetch(normal(1, h, 1, d), normal(1, h, 1, d))
+    pending = c._pending
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        K.attention_inputs(c, normal(1, h, 1, d), 0.1, pending, one_launch=True)
+    c._reserve_codes(0)
+    assert c._kbuf.shape[2] == c._vbuf.shape[2] == c.CODE_STEP * 2
+    np.testing.assert_array_equal(np.array(c.key_codes), kc)
+    np.testing.assert_array_equal(np.array(c.value_codes), vc)
+    a = K.attention_inputs(c, normal(1, h, 1, d), 0.1, pending, one_launch=True)
+    assert a["n_splits"] >= 1 and K.mma_takes(a["layout"], a["r"])
+
+
+@pytest.mark.parametrize("mma", [False, True])
+def test_layer_pack_holds_the_cache_s_constants(mma, monkeypatch):
     # the one-launch kernel reads a layer's constants from one buffer: each segment must hold
     # the cache's array bit for bit, at the offset the kernel source is compiled with
+    monkeypatch.setattr(K, "MMA", mma)
     c, _ = _random_cache(OTHER_LAYOUTS[0])
     h, d = c.smooth.shape
     r, scale = K.TOKENS_PER_THREAD, 0.25
     lay = K.layout_of(c, 2 * h)
+    assert K.mma_takes(lay, r) is mma
     segments = K.pack_segments(lay)
     before = c.nbytes
     pack = np.array(K.layer_pack(c, 2 * h, r, scale)).view(np.uint8)
@@ -594,8 +649,13 @@ def test_layer_pack_holds_the_cache_s_constants():
         "value_smooth": np.array(c.value_smooth),
         "value_mean": np.array(c.value_mean),
         "inv_freq": np.array(const["inv_freq"]),
-        "phase_table": np.array(const["table"]),
     }
+    if mma:  # the tensor cores' phase operand instead of the CUDA cores' table
+        want["phase_frags"] = K.phase_fragments(c.rope, d, r)
+        assert segments["phase_table"][1] == 0
+    else:
+        want["phase_table"] = np.array(const["table"])
+        assert segments["phase_frags"][1] == 0
     src = K.one_launch_kernel_source(lay, mx.float16, mx.float16, r)
     for name, x in want.items():
         off, n, dtype = segments[name]
@@ -623,7 +683,7 @@ def _layout(**kw) -> K.Layout:
 @pytest.mark.parametrize(
     "changes", [{}, {"head_dim": 64, "group": 3}, {"key_sub_dim": 1, "key_bits": 4, "group": 7}]
 )
-def test_threadgroup_bytes_are_those_of_the_generated_sources(changes):
+def test_threadgroup_bytes_are_those_of_the_generated_sources(changes, monkeypatch):
     # Layout.unsupported() refuses layouts over THREADGROUP_LIMIT by these two counts, so they
     # must be the arrays the sources declare (read back from the compiled emulator library)
     lay = _layout(**changes)
@@ -634,7 +694,12 @@ def test_threadgroup_bytes_are_those_of_the_generated_sources(changes):
         outs = ["float32"] * len(src.outputs)
         lib = emu.build(src, "metal", ["float32"] * len(src.inputs), outs)
         assert emu.threadgroup_bytes(lib) == K.encode_threadgroup_bytes(lay)
-    if lay.head_dim <= K.TILE:  # the one launch: the partial's arrays and its count flag
+    for mma in (False, True):  # the one launch: the partial's arrays and its count flag, or
+        # its tensor-core variant's
+        monkeypatch.setattr(K, "MMA", mma)
+        if lay.head_dim > K.TILE:
+            continue
+        assert K.mma_takes(lay) is mma
         one = K.one_launch_kernel_source(lay, mx.float16, mx.float16)
         ins = ["float16", "int32", "uint8", "uint8", "uint32"] + ["float16"] * 7
         lib = emu.build(one, "cuda", ins, ["float32"] * 2)
@@ -858,6 +923,19 @@ def test_cuda_kernels_reach_mlx_as_an_include_of_their_source(monkeypatch):
     monkeypatch.setattr(vk, "CUDA_SOURCE_FILES", True)
     with pytest.raises(ValueError, match="x_shape.*CUDA_SOURCE_FILES"):
         vk.cuda_kernel_text(shaped)
+    # launch bounds: MLX writes the signature, so they reach it as a macro of the kernel's
+    # name, defined by the header and gone after the body (MLX's name expression follows)
+    bounded = dataclasses.replace(src, min_threadgroups=4)
+    assert bounded.kernel_name != src.kernel_name
+    monkeypatch.setattr(vk, "CUDA_SOURCE_FILES", False)
+    vk.launch(bounded, [x], (1, 1, 1), [(8,)], [mx.float32])
+    name = "custom_kernel_" + calls[-1]["name"]
+    assert calls[-1]["header"].endswith(f"#define {name} __launch_bounds__(128, 4) {name}\n")
+    assert calls[-1]["source"] == bounded.cuda_body() + f"\n#undef {name}\n"
+    tu = bounded.cuda_translation_unit(["float32"], ["float32"])
+    assert f"void __launch_bounds__(128, 4) custom_kernel_{bounded.kernel_name}(" in tu
+    with pytest.raises(ValueError, match="launch bounds need the name"):
+        vk.cuda_kernel_text(bounded)
 
 
 def test_layer_constants_are_the_caches_and_a_state_load_forgets_them(

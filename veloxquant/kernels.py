@@ -218,6 +218,8 @@ class KernelSource:
     helpers    optional portable helper code placed after the prelude (no attribute names).
     backends   the backends the body is written for ("cuda", "metal"); the others' bodies
                are refused.
+    min_threadgroups  CUDA: threadgroups per multiprocessor the compiler must fit registers
+               for (`__launch_bounds__(threads, min_threadgroups)`); 0 leaves it its choice.
     """
 
     name: str
@@ -228,10 +230,12 @@ class KernelSource:
     threads: int = 128
     helpers: str = ""
     backends: tuple[str, ...] = ("cuda", "metal")
+    min_threadgroups: int = 0
 
     @functools.cached_property
     def kernel_name(self) -> str:
         key = repr(sorted((k, str(v)) for k, v in self.constants.items())) + self.body
+        key += f"|bounds {self.min_threadgroups}" if self.min_threadgroups else ""
         return f"{self.name}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
     def header(self, backend: str) -> str:
@@ -262,12 +266,19 @@ class KernelSource:
             '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
             + self.header("cuda")
             + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            + f"__global__ void custom_kernel_{self.kernel_name}(\n"
+            + f"__global__ void {self.launch_bounds()}custom_kernel_{self.kernel_name}(\n"
             + ",\n".join(args)
             + ") {\n"
             + self.cuda_body()
             + "\n}\n\n} // namespace mlx::core::cu\n"
         )
+
+    def launch_bounds(self) -> str:
+        """CUDA's `__launch_bounds__` for the kernel's signature, with a trailing space ("" when
+        min_threadgroups is 0)."""
+        if not self.min_threadgroups:
+            return ""
+        return f"__launch_bounds__({self.threads}, {self.min_threadgroups}) "
 
     def metal_translation_unit(self, input_dtypes: list[str], output_dtypes: list[str]) -> str:
         """The source MLX 0.32's `metal_kernel` compiles for inputs of these dtypes (its
@@ -328,10 +339,20 @@ CUDA_SOURCE_FILES = True
 _SOURCE_DIR: list[Path] = []  # this process's directory of included sources, made on first use
 
 
-def cuda_kernel_text(source: KernelSource) -> tuple[str, str]:
-    """(source, header) to hand `mx.fast.cuda_kernel` for `source`: its body and header as they
-    are, or (CUDA_SOURCE_FILES) one #include line each of a file holding that text."""
+def cuda_kernel_text(source: KernelSource, name: str = "") -> tuple[str, str]:
+    """(source, header) to hand `mx.fast.cuda_kernel` for `source` compiled under `name`
+    (`compiled_name`): its body and header as they are, or (CUDA_SOURCE_FILES) one #include
+    line each of a file holding that text. MLX writes the signature itself
+    (`__global__ void custom_kernel_<name>(`), so a kernel's launch bounds reach it as a macro of
+    that name: defined at the header's end, undefined at the body's (before NVRTC reads MLX's
+    name expression of the kernel, which the macro would break)."""
     body, header = source.cuda_body(), source.header("cuda")
+    if source.min_threadgroups:
+        if not name:
+            raise ValueError(f"{source.name}: launch bounds need the name it is compiled under")
+        fn = f"custom_kernel_{name}"
+        header += f"#define {fn} {source.launch_bounds()}{fn}\n"
+        body += f"\n#undef {fn}\n"
     if not CUDA_SOURCE_FILES:
         return body, header
     # MLX passes an input's shape, strides or ndim only when the source it holds names them
@@ -380,7 +401,7 @@ def compiled(source: KernelSource, input_dtypes: tuple[str, ...]) -> Any | None:
     if key not in _COMPILED:
         name = compiled_name(source, input_dtypes)
         if which == "cuda":
-            text, header = cuda_kernel_text(source)
+            text, header = cuda_kernel_text(source, name)
             _COMPILED[key] = mx.fast.cuda_kernel(
                 name=name,
                 input_names=list(source.inputs),

@@ -399,10 +399,13 @@ class VecInferCache(CompressedCache):
         return self.encode_keys(k, pos), self.encode_values(v)
 
     def _reserve_codes(self, n: int, batch: int = 1) -> None:
-        """Room in the code buffers for n more tokens (grown by CODE_STEP-token steps)."""
+        """Room in the code buffers for n more tokens, in whole CODE_STEP-token steps (buffers
+        set whole, e.g. from a saved state, are regrown to them: the GPU kernels read whole
+        16-token blocks of rows)."""
         n0 = self._n_coded
         if self._kbuf is not None and n0 + n <= self._kbuf.shape[2]:
-            return
+            if self._kbuf.shape[2] % self.CODE_STEP == 0:
+                return
         self._sync()
         cap = -(-(n0 + n) // self.CODE_STEP) * self.CODE_STEP
         h, d = self.smooth.shape
@@ -507,6 +510,8 @@ class VecInferCache(CompressedCache):
             if in_place:
                 self._reserve_codes(1)
             else:
+                if self._kbuf is not None:
+                    self._reserve_codes(0)
                 self._write_ring(pending)
             try:
                 out, codes = kernels.decode_attention(self, queries, scale, pending)

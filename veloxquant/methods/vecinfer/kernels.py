@@ -55,7 +55,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -238,8 +238,8 @@ def _value_sums(code: str) -> str:
             }}"""
 
 
-_PARTIAL_BODY = (
-    """
+# The partial kernel's source, in the pieces its tensor-core variant (`_MMA_BODY`) shares.
+_PARTIAL_PARAMS = """
   const int T = iparams[0];          // coded tokens attended
   const int pos0 = iparams[1];       // absolute position of coded token 0
   const int tps = iparams[2];        // coded tokens per split (a multiple of TILE * R)
@@ -254,7 +254,9 @@ _PARTIAL_BODY = (
   const int h = (int)vq_gy;
   const int split = (int)vq_gx;
   const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;
+"""
 
+_PARTIAL_SHARED = """
   VQ_SHARED float s_q[G * D];            // scaled queries
   VQ_SHARED float4 s_qt[KM * QS / 4];    // q~ per key sub-space m: [m][g][i], padded to QS
   VQ_SHARED float4 s_w[CENTER ? P * WS / 4 : 1];  // phase coefficients at the tile start
@@ -270,7 +272,9 @@ _PARTIAL_BODY = (
   VQ_TG float* s_acc = reinterpret_cast<VQ_TG float*>(s_big);
   VQ_TG float* s_qtf = reinterpret_cast<VQ_TG float*>(s_qt);
   VQ_TG float* s_wf = reinterpret_cast<VQ_TG float*>(s_w);
+"""
 
+_PARTIAL_OPEN = """
   if (vq_tid < G) {
     s_mrun[vq_tid] = NEG;
     s_lrun[vq_tid] = 0.0f;
@@ -294,7 +298,9 @@ _PARTIAL_BODY = (
     }
     VQ_UNROLL
     for (int e = 0; e < QE; ++e) sx[e] = static_cast<float>(smooth[h * D + (int)vq_lane * QE + e]);
-    const int kbook = KBOOKS > 1 ? h : 0;
+"""
+
+_PARTIAL_BOOKS = """    const int kbook = KBOOKS > 1 ? h : 0;
     for (int i = (int)vq_tid; i < KCODES * KREP; i += TILE) {
       const int base = (kbook * KCODES + i / KREP) * KD;
       s_kb[i] = KLOAD;
@@ -304,7 +310,9 @@ _PARTIAL_BODY = (
       const int base = (vbook * VCODES + i / VREP) * VD;
       s_vb[i] = VLOAD;
     }
-    VQ_UNROLL
+"""
+
+_PARTIAL_QTILDE = """    VQ_UNROLL
     for (int gi = 0; gi < GW; ++gi) {
       const int g = (int)vq_warp + gi * NWARPS;
       if (g < G) {  // the same for the whole SIMD group, as its shuffles need
@@ -353,7 +361,143 @@ _PARTIAL_BODY = (
       }
     }
     VQ_BARRIER();
+"""
 
+# The phase coefficients at a tile's start: PHASE_STORE(re, im) of each (pair j, head g).
+_TILE_PHASE = (
+    "        // W = A - iB per (pair j, head g), rotated to the tile's first position: exact at\n"
+    """        // every tile start; offsets within the tile come from the host table.
+        const float mpos = rscale * (float)(pos0 + tile);
+        for (int idx = (int)vq_tid; idx < P * G; idx += TILE) {
+          const int j = idx / G, g = idx % G;
+          const int ia = TRAD ? 2 * j : j;
+          const int ib = TRAD ? 2 * j + 1 : j + P;
+          const float mua = static_cast<float>(key_mean[h * D + ia]);
+          const float mub = static_cast<float>(key_mean[h * D + ib]);
+          const float qa = s_q[g * D + ia], qb = s_q[g * D + ib];
+          const float wr = qa * mua + qb * mub;
+          const float wi = qa * mub - qb * mua;
+          float sn, cs;
+          VQ_SINCOS(mpos * inv_freq[j], sn, cs);
+          PHASE_STORE(wr * cs - wi * sn, wr * sn + wi * cs)
+        }
+"""
+)
+
+_PARTIAL_EXACT = """  } else {
+    // ---- the exact tokens: fp16 sinks, fp16 window, the call's own token(s). Each SIMD group
+    // walks its own share of them, FPB tokens at a time, with an online softmax of its own;
+    // the SIMD groups merge once at the end. A lane holds elements d = e * 32 + lane of a row
+    // (coalesced loads), a token's key and value rows are loaded together after one choice of
+    // sink / window / new per token, and every load of a batch is issued before its sums: up
+    // to 16K-token contexts this threadgroup was the launch's longest, and its time was
+    // rounds of dependent loads and the instructions of a per-element choice, not arithmetic.
+    for (int i = (int)vq_tid; i < G * D; i += TILE) {
+      s_q[i] = static_cast<float>(q[(h * G) * D + i]) * qscale;
+    }
+    VQ_BARRIER();
+    const int n_fp = n_sink + n_win + n_new;
+    float mw[G], lw[G], ow[G][DE];
+    VQ_UNROLL
+    for (int g = 0; g < G; ++g) {
+      mw[g] = NEG;
+      lw[g] = 0.0f;
+      VQ_UNROLL
+      for (int e = 0; e < DE; ++e) ow[g][e] = 0.0f;
+    }
+    const int lane = (int)vq_lane;
+    for (int t0 = (int)vq_warp * FPB; t0 < n_fp; t0 += NWARPS * FPB) {
+      float kx[FPB][DE], vx[FPB][DE];
+      VQ_UNROLL
+      for (int b = 0; b < FPB; ++b) {
+        const int t = t0 + b;
+        if (t < n_sink) {
+          EXACT_ROW(sink_k, sink_v, (h * n_sink + t) * D)
+        } else if (t < n_sink + n_win) {
+          EXACT_ROW(win_k, win_v, (h * wcap + t - n_sink) * D)
+        } else if (t < n_fp) {
+          EXACT_ROW(new_k, new_v, (h * n_new + t - n_sink - n_win) * D)
+        } else {
+          VQ_UNROLL
+          for (int e = 0; e < DE; ++e) kx[b][e] = vx[b][e] = 0.0f;
+        }
+      }
+      VQ_UNROLL
+      for (int g = 0; g < G; ++g) {
+        float sc[FPB];
+        float m_new = mw[g];
+        VQ_UNROLL
+        for (int b = 0; b < FPB; ++b) {
+          float part = 0.0f;
+          VQ_UNROLL
+          for (int e = 0; e < DE; ++e) part += s_q[g * D + e * 32 + lane] * kx[b][e];
+          const float full = vq_simd_sum(part);
+          sc[b] = t0 + b < n_fp ? full : NEG;
+          m_new = VQ_FMAX(m_new, sc[b]);
+        }
+        const float al = vq_exp2(mw[g] - m_new);
+        mw[g] = m_new;
+        lw[g] *= al;
+        VQ_UNROLL
+        for (int e = 0; e < DE; ++e) ow[g][e] *= al;
+        VQ_UNROLL
+        for (int b = 0; b < FPB; ++b) {
+          const float p = sc[b] > 0.5f * NEG ? vq_exp2(sc[b] - m_new) : 0.0f;
+          lw[g] += p;
+          VQ_UNROLL
+          for (int e = 0; e < DE; ++e) ow[g][e] += p * vx[b][e];
+        }
+      }
+    }
+    // merge the SIMD groups: the largest max, then each group's share added in turn into
+    // s_acc [G][D] (one barrier per SIMD group; once per launch)
+    if (vq_lane == 0) {
+      VQ_UNROLL
+      for (int g = 0; g < G; ++g) s_red[vq_warp * G + g] = mw[g];
+    }
+    VQ_BARRIER();
+    float wscale[G];
+    VQ_UNROLL
+    for (int g = 0; g < G; ++g) {
+      float mm = s_red[g];
+      for (int w = 1; w < NWARPS; ++w) mm = VQ_FMAX(mm, s_red[w * G + g]);
+      wscale[g] = vq_exp2(mw[g] - mm);
+      if (vq_tid == 0) {
+        s_mrun[g] = mm;
+        s_lrun[g] = 0.0f;
+      }
+    }
+    for (int w = 0; w < NWARPS; ++w) {
+      if ((int)vq_warp == w) {
+        VQ_UNROLL
+        for (int g = 0; g < G; ++g) {
+          VQ_UNROLL
+          for (int e = 0; e < DE; ++e) {
+            const int i = g * D + e * 32 + lane;
+            s_acc[i] = (w == 0 ? 0.0f : s_acc[i]) + wscale[g] * ow[g][e];
+          }
+          if (lane == 0) s_lrun[g] += wscale[g] * lw[g];
+        }
+      }
+      VQ_BARRIER();
+    }
+    for (int i = (int)vq_tid; i < G * D; i += TILE) {
+      part_o[(split * HQ + h * G) * D + i] = s_acc[i];
+    }
+  }
+  if (vq_tid < G) {
+    part_m[split * HQ + h * G + vq_tid] = s_mrun[vq_tid];
+    part_l[split * HQ + h * G + vq_tid] = s_lrun[vq_tid];
+  }
+"""
+
+_PARTIAL_BODY = (
+    _PARTIAL_PARAMS
+    + _PARTIAL_SHARED
+    + _PARTIAL_OPEN
+    + _PARTIAL_BOOKS
+    + _PARTIAL_QTILDE
+    + """
     // key code rows read KLV words at a time (16-byte loads when rows are whole 16 bytes: a
     // quarter of the load instructions and L1 wavefronts of 32-bit loads). Aligned because a
     // row is a whole number of KLV words and the buffer starts on a row: MLX allocations are
@@ -375,24 +519,13 @@ _PARTIAL_BODY = (
     const int t_end = min(T, t_begin + tps);
     for (int tile = t_begin; tile < t_end; tile += TILE * R) {
       if (CENTER) {
-        // W = A - iB per (pair j, head g), rotated to the tile's first position: exact at
-        // every tile start; offsets within the tile come from the host table.
-        const float mpos = rscale * (float)(pos0 + tile);
-        for (int idx = (int)vq_tid; idx < P * G; idx += TILE) {
-          const int j = idx / G, g = idx % G;
-          const int ia = TRAD ? 2 * j : j;
-          const int ib = TRAD ? 2 * j + 1 : j + P;
-          const float mua = static_cast<float>(key_mean[h * D + ia]);
-          const float mub = static_cast<float>(key_mean[h * D + ib]);
-          const float qa = s_q[g * D + ia], qb = s_q[g * D + ib];
-          const float wr = qa * mua + qb * mub;
-          const float wi = qa * mub - qb * mua;
-          float sn, cs;
-          VQ_SINCOS(mpos * inv_freq[j], sn, cs);
-          s_wf[j * WS + 2 * g] = wr * cs - wi * sn;
-          s_wf[j * WS + 2 * g + 1] = wr * sn + wi * cs;
-        }
-        VQ_BARRIER();
+"""
+    + _TILE_PHASE.replace(
+        "PHASE_STORE(wr * cs - wi * sn, wr * sn + wi * cs)",
+        "s_wf[j * WS + 2 * g] = wr * cs - wi * sn;\n"
+        "          s_wf[j * WS + 2 * g + 1] = wr * sn + wi * cs;",
+    )
+    + """        VQ_BARRIER();
         if (p_exact < P) {
           // pairs p_exact.. turn by at most PHASE_TAYLOR_ANGLE over a tile: their summed phase
           // Re(sum_j W_j e^{i d phi_j}) at offset d is the polynomial sum_k c_k d^k, with
@@ -610,112 +743,382 @@ _PARTIAL_BODY = (
       for (int k = 0; k < TG; ++k) sum += s_acc[k * G * D + idx];
       part_o[(split * HQ + h * G) * D + idx] = sum;
     }
-  } else {
-    // ---- the exact tokens: fp16 sinks, fp16 window, the call's own token(s). Each SIMD group
-    // walks its own share of them, FPB tokens at a time, with an online softmax of its own;
-    // the SIMD groups merge once at the end. A lane holds elements d = e * 32 + lane of a row
-    // (coalesced loads), a token's key and value rows are loaded together after one choice of
-    // sink / window / new per token, and every load of a batch is issued before its sums: up
-    // to 16K-token contexts this threadgroup was the launch's longest, and its time was
-    // rounds of dependent loads and the instructions of a per-element choice, not arithmetic.
-    for (int i = (int)vq_tid; i < G * D; i += TILE) {
-      s_q[i] = static_cast<float>(q[(h * G) * D + i]) * qscale;
-    }
-    VQ_BARRIER();
-    const int n_fp = n_sink + n_win + n_new;
-    float mw[G], lw[G], ow[G][DE];
-    VQ_UNROLL
-    for (int g = 0; g < G; ++g) {
-      mw[g] = NEG;
-      lw[g] = 0.0f;
-      VQ_UNROLL
-      for (int e = 0; e < DE; ++e) ow[g][e] = 0.0f;
-    }
-    const int lane = (int)vq_lane;
-    for (int t0 = (int)vq_warp * FPB; t0 < n_fp; t0 += NWARPS * FPB) {
-      float kx[FPB][DE], vx[FPB][DE];
-      VQ_UNROLL
-      for (int b = 0; b < FPB; ++b) {
-        const int t = t0 + b;
-        if (t < n_sink) {
-          EXACT_ROW(sink_k, sink_v, (h * n_sink + t) * D)
-        } else if (t < n_sink + n_win) {
-          EXACT_ROW(win_k, win_v, (h * wcap + t - n_sink) * D)
-        } else if (t < n_fp) {
-          EXACT_ROW(new_k, new_v, (h * n_new + t - n_sink - n_win) * D)
-        } else {
-          VQ_UNROLL
-          for (int e = 0; e < DE; ++e) kx[b][e] = vx[b][e] = 0.0f;
-        }
-      }
-      VQ_UNROLL
-      for (int g = 0; g < G; ++g) {
-        float sc[FPB];
-        float m_new = mw[g];
-        VQ_UNROLL
-        for (int b = 0; b < FPB; ++b) {
-          float part = 0.0f;
-          VQ_UNROLL
-          for (int e = 0; e < DE; ++e) part += s_q[g * D + e * 32 + lane] * kx[b][e];
-          const float full = vq_simd_sum(part);
-          sc[b] = t0 + b < n_fp ? full : NEG;
-          m_new = VQ_FMAX(m_new, sc[b]);
-        }
-        const float al = vq_exp2(mw[g] - m_new);
-        mw[g] = m_new;
-        lw[g] *= al;
-        VQ_UNROLL
-        for (int e = 0; e < DE; ++e) ow[g][e] *= al;
-        VQ_UNROLL
-        for (int b = 0; b < FPB; ++b) {
-          const float p = sc[b] > 0.5f * NEG ? vq_exp2(sc[b] - m_new) : 0.0f;
-          lw[g] += p;
-          VQ_UNROLL
-          for (int e = 0; e < DE; ++e) ow[g][e] += p * vx[b][e];
-        }
-      }
-    }
-    // merge the SIMD groups: the largest max, then each group's share added in turn into
-    // s_acc [G][D] (one barrier per SIMD group; once per launch)
-    if (vq_lane == 0) {
-      VQ_UNROLL
-      for (int g = 0; g < G; ++g) s_red[vq_warp * G + g] = mw[g];
-    }
-    VQ_BARRIER();
-    float wscale[G];
-    VQ_UNROLL
-    for (int g = 0; g < G; ++g) {
-      float mm = s_red[g];
-      for (int w = 1; w < NWARPS; ++w) mm = VQ_FMAX(mm, s_red[w * G + g]);
-      wscale[g] = vq_exp2(mw[g] - mm);
-      if (vq_tid == 0) {
-        s_mrun[g] = mm;
-        s_lrun[g] = 0.0f;
-      }
-    }
-    for (int w = 0; w < NWARPS; ++w) {
-      if ((int)vq_warp == w) {
-        VQ_UNROLL
-        for (int g = 0; g < G; ++g) {
-          VQ_UNROLL
-          for (int e = 0; e < DE; ++e) {
-            const int i = g * D + e * 32 + lane;
-            s_acc[i] = (w == 0 ? 0.0f : s_acc[i]) + wscale[g] * ow[g][e];
-          }
-          if (lane == 0) s_lrun[g] += wscale[g] * lw[g];
-        }
-      }
-      VQ_BARRIER();
-    }
-    for (int i = (int)vq_tid; i < G * D; i += TILE) {
-      part_o[(split * HQ + h * G) * D + i] = s_acc[i];
-    }
-  }
-  if (vq_tid < G) {
-    part_m[split * HQ + h * G + vq_tid] = s_mrun[vq_tid];
-    part_l[split * HQ + h * G + vq_tid] = s_lrun[vq_tid];
-  }
 """
+    + _PARTIAL_EXACT
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The coded tokens on the tensor cores (CUDA one launch; `mma_takes` says where). Per 16-token
+# block, a SIMD group scores with mma.sync m16n8k16 (f16 operands, f32 sums):
+#   S[tokens][heads] = K[tokens][dims] q~^T + E[tokens][pairs] W^T
+# with K's rows looked up straight into A fragments from an f16 copy of the key codebook, q~ as
+# B fragments (heads padded to 8) in threadgroup memory, E the cos / -sin of each token's
+# offset in the tile per RoPE pair (a host-built table already in A-fragment order) and W the
+# phase coefficients at the tile start: every pair is exact, with no per-token trigonometry or
+# polynomial. Then O^T[dims][heads] += V^T[dims][tokens] P[tokens][heads], V^T looked up from an
+# f16 copy of the value codebook and P the scores' own C fragments after the online softmax,
+# rounded to f16 and transposed in registers (movmatrix). A fragment's columns may hold any
+# dims in any order as long as both operands agree, so a lane's lookups are one contiguous
+# slice of a code row: keys, quarter l4 = lane % 4 of the dims (A's columns 2 l4 + {0, 1} and
+# 8 + 2 l4 + {0, 1} of chunk c are dims KSD l4 + 4c + {0, 1, 2, 3}); values, eighth
+# quad = lane / 4 (A's rows quad and quad + 8 of row-block b are dims VSD quad + 2b + {0, 1}).
+# Each SIMD group keeps its own running max and sum over its blocks (no barrier per tile but
+# the phase coefficients'), and the SIMD groups merge once per split. Off by default until it
+# has run on a GPU: it is checked in CPU emulation only (benchmarks/results/mma-tiles-cpu.md).
+MMA = False
+MMA_VALUE_BOOK_BYTES = 16384  # the f16 value codebook's copies (8 copies of a d4b8 book)
+# Threadgroups per multiprocessor the compiler must fit (CUDA `__launch_bounds__`): left to
+# itself it took 136 registers for the default layout (3 threadgroups on an H200), 4 needs 128
+# (68 bytes of spill stores under nvcc 13), 5 spilled 504 (benchmarks/results/mma-tiles-cpu.md).
+MMA_MIN_THREADGROUPS = 4
+
+_MMA_HELPERS = r"""
+#ifndef VQ_MMA_HELPERS
+#define VQ_MMA_HELPERS
+#ifndef VQ_WARP_MMA
+// c += A B: A 16x16 (row-major), B 16x8 (column-major) f16, c f32, as mma.sync fragments
+__device__ inline void vq_mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// the transpose of an 8x8 f16 matrix held as fragments (lane L: row L / 4, cols 2 (L % 4) + {0, 1})
+__device__ inline uint32_t vq_movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+// two floats as f16 (round to nearest), lo in the low half
+__device__ inline uint32_t vq_pack_half2(float lo, float hi) {
+  return (uint32_t)__half_as_ushort(__float2half_rn(lo)) |
+         ((uint32_t)__half_as_ushort(__float2half_rn(hi)) << 16);
+}
+#endif
+// nb bits from bit b of the words w (b a constant once unrolled)
+template <int N>
+VQ_FN uint32_t vq_bits(const uint32_t (&w)[N], int b, int nb) {
+  const int i = b >> 5, sh = b & 31;
+  uint32_t x = w[i] >> sh;
+  if (sh + nb > 32) x |= w[i + 1] << (32 - sh);
+  return x & ((1u << nb) - 1u);
+}
+// the T at byte offset `at` of a threadgroup array
+template <class T>
+VQ_FN T vq_tg_at(const VQ_TG char* base, uint32_t at) {
+  return *reinterpret_cast<const VQ_TG T*>(base + at);
+}
+// the word of an f16 codebook entry (one or two 32-bit words) that holds its half i
+VQ_FN uint32_t vq_half_word(uint32_t e, int i) { return e; }
+VQ_FN uint32_t vq_half_word(uint2 e, int i) { return i < 2 ? e.x : e.y; }
+// half i of an f16 codebook entry x (low) and of entry y (high), as one register: a PRMT
+template <class E>
+VQ_FN uint32_t vq_half_pair(E x, E y, int i) {
+  return __byte_perm(vq_half_word(x, i), vq_half_word(y, i), i & 1 ? 0x7632 : 0x5410);
+}
+// SW words of a code row from bit `sh` of the word at `at`, word `first` of its row (a lane's
+// slice starts on a word when ALIGNED, else anywhere): words past the row's RW read as zeros
+template <int SW, int RW, bool ALIGNED>
+VQ_FN void vq_slice(uint32_t (&out)[SW], const VQ_GLOBAL uint32_t* at, int first, int sh) {
+  if (ALIGNED) {
+    VQ_UNROLL
+    for (int i = 0; i < SW; ++i) out[i] = at[i];
+  } else {
+    uint32_t w[SW + 1];
+    VQ_UNROLL
+    for (int i = 0; i <= SW; ++i) w[i] = first + i < RW ? at[i] : 0u;
+    VQ_UNROLL
+    for (int i = 0; i < SW; ++i) out[i] = sh ? (w[i] >> sh) | (w[i + 1] << (32 - sh)) : w[i];
+  }
+}
+#endif
+"""
+
+_MMA_SHARED = """
+  VQ_SHARED float s_q[G * D];            // scaled queries
+  VQ_SHARED float4 s_qt[KM * QS / 4];    // q~ per key sub-space m: [m][g][i], padded to QS
+  // B fragments of the phase coefficients (two tiles' buffers) and of q~, per lane: [chunk][lane]
+  VQ_SHARED uint2 s_wb[CENTER ? 2 * PC * 32 : 1];
+  VQ_SHARED uint2 s_qb[DC * 32];
+  VQ_SHARED float s_red[NWARPS * G];
+  VQ_SHARED float s_lw[NWARPS * G];
+  VQ_SHARED float s_mrun[G];
+  VQ_SHARED float s_lrun[G];
+  VQ_SHARED uint4 s_vb16[(VCODES * VR16 * VEW + 3) / 4];  // f16 value codebook copies
+  VQ_SHARED float4 s_big[BIG4];  // f16 key codebook copies, then the reduction
+  VQ_TG uint32_t* s_kb16 = reinterpret_cast<VQ_TG uint32_t*>(s_big);
+  VQ_TG float* s_acc = reinterpret_cast<VQ_TG float*>(s_big);
+  VQ_TG float* s_qtf = reinterpret_cast<VQ_TG float*>(s_qt);
+"""
+
+_MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), KEW / VEW words per
+    // entry, copied so that a SIMD group's random codes hit distinct banks
+    using vq_u16 = unsigned short;
+    const VQ_GLOBAL vq_u16* kbits = reinterpret_cast<const VQ_GLOBAL vq_u16*>(key_book);
+    const VQ_GLOBAL vq_u16* vbits = reinterpret_cast<const VQ_GLOBAL vq_u16*>(value_book);
+    VQ_TG uint32_t* s_vbw = reinterpret_cast<VQ_TG uint32_t*>(s_vb16);
+    const int kbook = KBOOKS > 1 ? h : 0;
+    for (int i = (int)vq_tid; i < KCODES * KR16; i += TILE) {
+      const int base = (kbook * KCODES + i / KR16) * KD;
+      VQ_UNROLL
+      for (int w = 0; w < KEW; ++w) {
+        s_kb16[i * KEW + w] = (uint32_t)kbits[base + 2 * w] |
+                              (KD > 2 * w + 1 ? (uint32_t)kbits[base + 2 * w + 1] << 16 : 0u);
+      }
+    }
+    const int vbook = VBOOKS > 1 ? h : 0;
+    for (int i = (int)vq_tid; i < VCODES * VR16; i += TILE) {
+      const int base = (vbook * VCODES + i / VR16) * VD;
+      VQ_UNROLL
+      for (int w = 0; w < VEW; ++w) {
+        s_vbw[i * VEW + w] = (uint32_t)vbits[base + 2 * w] |
+                             (VD > 2 * w + 1 ? (uint32_t)vbits[base + 2 * w + 1] << 16 : 0u);
+      }
+    }
+"""
+
+_MMA_TILES = (
+    """
+    const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;
+    // the B fragments, the same for every SIMD group, in threadgroup memory (in registers they
+    // cost 32 of them): q~ of head L / 4 (zero past G) at k rows 2 (L % 4) + {0, 1} and
+    // 8 + 2 (L % 4) + {0, 1} of chunk c; the phase coefficients' buffers start at zero, so the
+    // pairs past P and the heads past G stay zero
+    for (int i = (int)vq_tid; i < DC * 32; i += TILE) {
+      const int c = i / 32, gq = (i % 32) / 4, n = KSD * (i % 4) + 4 * c;
+      float x[4];
+      VQ_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        x[e] = gq < G ? s_qtf[((n + e) / KD) * QS + gq * KD + (n + e) % KD] : 0.0f;
+      }
+      uint2 f;
+      f.x = vq_pack_half2(x[0], x[1]);
+      f.y = vq_pack_half2(x[2], x[3]);
+      s_qb[i] = f;
+    }
+    if (CENTER) {
+      for (int i = (int)vq_tid; i < 2 * PC * 32; i += TILE) {
+        uint2 f;
+        f.x = f.y = 0u;
+        s_wb[i] = f;
+      }
+    }
+    VQ_BARRIER();
+    // O^T fragments: acc[b][e] is dim VSD quad + 2b + (e >> 1), head 2 l4 + (e & 1)
+    float acc[DC][4];
+    VQ_UNROLL
+    for (int b = 0; b < DC; ++b) {
+      VQ_UNROLL
+      for (int e = 0; e < 4; ++e) acc[b][e] = 0.0f;
+    }
+    float m_run[2] = {NEG, NEG}, l_run[2] = {0.0f, 0.0f};  // heads 2 l4, 2 l4 + 1
+    const VQ_GLOBAL uint32_t* kwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(key_codes);
+    const VQ_GLOBAL uint32_t* vwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(value_codes);
+    const VQ_GLOBAL uint4* frags = reinterpret_cast<const VQ_GLOBAL uint4*>(phase_frags);
+    // codebook copies addressed by byte offsets, code << KLG | this lane's copy: a shift and
+    // one three-input logic op from the code words to the load's address
+    const VQ_TG char* kbook16 = reinterpret_cast<const VQ_TG char*>(s_kb16);
+    const VQ_TG char* vbook16 = reinterpret_cast<const VQ_TG char*>(s_vb16);
+    const uint32_t kcopy = (uint32_t)(lane % KR16) * KEW * 4;
+    const uint32_t vcopy = (uint32_t)(lane % VR16) * VEW * 4;
+    const int kfirst = (l4 * KSB) >> 5, ksh = (l4 * KSB) & 31;  // this lane's key slice
+    const int vfirst = (quad * VSB) >> 5, vsh = (quad * VSB) & 31;  // ... and value slice
+    const int t_begin = split * tps;
+    const int t_end = min(T, t_begin + tps);
+    const int tlast = (t_end - 1) & ~15;  // the start of the block of the split's last token
+    // this lane's first key row (token quad of a block) and value row (token 2 l4), at its slice
+    const VQ_GLOBAL uint32_t* kbase = kwords + (h * cap + quad) * KW + kfirst;
+    const VQ_GLOBAL uint32_t* vbase = vwords + (h * cap + 2 * l4) * VW + vfirst;
+    int wbuf = 0;
+    for (int tile = t_begin; tile < t_end; tile += TT) {
+      const VQ_TG uint2* wb = s_wb + wbuf * PC * 32;
+      if (CENTER) {
+        // W of pair j = 8 pc + 2 l4 + hf and head g as f16 (re, im): register hf of lane
+        // 4 g + l4 in chunk pc (two buffers: a SIMD group still on the last tile reads the
+        // other one)
+        VQ_TG uint32_t* wbw = reinterpret_cast<VQ_TG uint32_t*>(s_wb + wbuf * PC * 32);
+"""
+    + _TILE_PHASE.replace(
+        "PHASE_STORE(wr * cs - wi * sn, wr * sn + wi * cs)",
+        "wbw[((j / 8) * 32 + 4 * g + (j % 8) / 2) * 2 + j % 2] =\n"
+        "              vq_pack_half2(wr * cs - wi * sn, wr * sn + wi * cs);",
+    )
+    + """        VQ_BARRIER();
+        wbuf ^= 1;
+      }
+      // scores of this SIMD group's WB blocks of the tile: C rows tokens quad and quad + 8
+      float sc[WB][4];
+      VQ_UNROLL
+      for (int k = 0; k < WB; ++k) {
+        const int db = (int)vq_warp * WB + k;
+        const int tb = tile + db * 16;
+        // a block past the split's last token reads that last block's rows (its scores are
+        // masked): rows up to the last token's block end, within the buffer (`mma_takes`)
+        const VQ_GLOBAL uint32_t* krow = kbase + min(tb, tlast) * KW;
+        uint32_t kw[2][KSW];
+        VQ_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          vq_slice<KSW, KW, KALIGN>(kw[r], krow + 8 * r * KW, kfirst, ksh);
+        }
+        VQ_UNROLL
+        for (int e = 0; e < 4; ++e) sc[k][e] = 0.0f;
+        VQ_UNROLL
+        for (int c = 0; c < DC; ++c) {
+          uint32_t a[4];  // a[2 hf + r]: token r, dims KSD l4 + 4c + 2 hf + {0, 1}
+          VQ_UNROLL
+          for (int r = 0; r < 2; ++r) {
+            VQ_UNROLL
+            for (int hf = 0; hf < 2; ++hf) {
+              const int n = 4 * c + 2 * hf;  // within the slice
+              if (KD == 1) {
+                const uint32_t c0 = vq_bits(kw[r], n * KB, KB);
+                const uint32_t c1 = vq_bits(kw[r], (n + 1) * KB, KB);
+                const uint32_t e0 = vq_tg_at<uint32_t>(kbook16, c0 << KLG | kcopy);
+                const uint32_t e1 = vq_tg_at<uint32_t>(kbook16, c1 << KLG | kcopy);
+                a[2 * hf + r] = vq_half_pair(e0, e1, 0);
+              } else {
+                const uint32_t code = vq_bits(kw[r], (n / KD) * KB, KB);
+                const uint32_t at = (code << KLG | kcopy) + (n % KD) / 2 * 4;
+                a[2 * hf + r] = vq_tg_at<uint32_t>(kbook16, at);
+              }
+            }
+          }
+          const uint2 qf = s_qb[c * 32 + lane];
+          const uint32_t b[2] = {qf.x, qf.y};
+          vq_mma_16816(sc[k], a, b);
+        }
+        if (CENTER) {
+          VQ_UNROLL
+          for (int pc = 0; pc < PC; ++pc) {
+            const uint4 f = frags[(db * PC + pc) * 32 + lane];
+            const uint32_t a[4] = {f.x, f.y, f.z, f.w};
+            const uint2 wf = wb[pc * 32 + lane];
+            const uint32_t b[2] = {wf.x, wf.y};
+            vq_mma_16816(sc[k], a, b);
+          }
+        }
+        if (tb + quad >= t_end) sc[k][0] = sc[k][1] = NEG;
+        if (tb + quad + 8 >= t_end) sc[k][2] = sc[k][3] = NEG;
+      }
+      // the online softmax over the SIMD group's blocks: lanes of one l4 hold the same heads
+      float mnew[2];
+      VQ_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        float x = NEG;
+        VQ_UNROLL
+        for (int k = 0; k < WB; ++k) x = VQ_FMAX(x, VQ_FMAX(sc[k][e], sc[k][e + 2]));
+        x = VQ_FMAX(x, vq_shfl_xor(x, 4));
+        x = VQ_FMAX(x, vq_shfl_xor(x, 8));
+        x = VQ_FMAX(x, vq_shfl_xor(x, 16));
+        mnew[e] = VQ_FMAX(m_run[e], x);
+        const float al = vq_exp2(m_run[e] - mnew[e]);
+        m_run[e] = mnew[e];
+        l_run[e] *= al;
+        VQ_UNROLL
+        for (int b = 0; b < DC; ++b) {
+          acc[b][e] *= al;
+          acc[b][e + 2] *= al;
+        }
+      }
+      // P as B fragments (k rows tokens 2 l4 + {0, 1} and 8 + 2 l4 + {0, 1}, head quad), then
+      // O^T += V^T P per block
+      VQ_UNROLL
+      for (int k = 0; k < WB; ++k) {
+        float p[4];
+        VQ_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          p[e] = sc[k][e] > 0.5f * NEG ? vq_exp2(sc[k][e] - mnew[e & 1]) : 0.0f;
+          l_run[e & 1] += p[e];
+        }
+        const uint32_t pb[2] = {vq_movmatrix_trans(vq_pack_half2(p[0], p[1])),
+                                vq_movmatrix_trans(vq_pack_half2(p[2], p[3]))};
+        const int tb = tile + ((int)vq_warp * WB + k) * 16;
+        const VQ_GLOBAL uint32_t* vrow = vbase + min(tb, tlast) * VW;
+        VEWT ve[4][VSUB];  // tokens 2 l4 + {0, 1}, 8 + 2 l4 + {0, 1}: this lane's sub-spaces
+        VQ_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          uint32_t vw[VSW];
+          vq_slice<VSW, VW, VALIGN>(vw, vrow + ((u & 1) + 8 * (u >> 1)) * VW, vfirst, vsh);
+          VQ_UNROLL
+          for (int s = 0; s < VSUB; ++s) {
+            ve[u][s] = vq_tg_at<VEWT>(vbook16, vq_bits(vw, s * VB, VB) << VLG | vcopy);
+          }
+        }
+        VQ_UNROLL
+        for (int b = 0; b < DC; ++b) {
+          uint32_t a[4];  // a[hf + 2 (u >> 1)]: dim VSD quad + 2b + hf, tokens u (low), u + 1
+          VQ_UNROLL
+          for (int hf = 0; hf < 2; ++hf) {
+            const int n = 2 * b + hf;
+            VQ_UNROLL
+            for (int uh = 0; uh < 2; ++uh) {
+              a[hf + 2 * uh] = vq_half_pair(ve[2 * uh][n / VD], ve[2 * uh + 1][n / VD], n % VD);
+            }
+          }
+          vq_mma_16816(acc[b], a, pb);
+        }
+      }
+    }
+    // merge the SIMD groups: the largest max per head, each group's rows scaled into s_acc
+    // [w][g][D] (the codebook copies are no longer read), summed in SIMD-group order
+    VQ_UNROLL
+    for (int e = 0; e < 2; ++e) {
+      l_run[e] += vq_shfl_xor(l_run[e], 4);
+      l_run[e] += vq_shfl_xor(l_run[e], 8);
+      l_run[e] += vq_shfl_xor(l_run[e], 16);
+      const int g = 2 * l4 + e;
+      if (quad == 0 && g < G) {
+        s_red[(int)vq_warp * G + g] = m_run[e];
+        s_lw[(int)vq_warp * G + g] = l_run[e];
+      }
+    }
+    VQ_BARRIER();
+    VQ_UNROLL
+    for (int e = 0; e < 2; ++e) {
+      const int g = 2 * l4 + e;
+      if (g < G) {
+        float mm = s_red[g];
+        for (int w = 1; w < NWARPS; ++w) mm = VQ_FMAX(mm, s_red[w * G + g]);
+        const float f = vq_exp2(m_run[e] - mm);
+        VQ_UNROLL
+        for (int b = 0; b < DC; ++b) {
+          VQ_UNROLL
+          for (int x = 0; x < 2; ++x) {
+            const int d = VSD * quad + 2 * b + x;
+            s_acc[((int)vq_warp * G + g) * D + d] = acc[b][e + 2 * x] * f;
+          }
+        }
+      }
+    }
+    if (vq_tid < G) {
+      float mm = s_red[vq_tid];
+      for (int w = 1; w < NWARPS; ++w) mm = VQ_FMAX(mm, s_red[w * G + vq_tid]);
+      float ll = 0.0f;
+      for (int w = 0; w < NWARPS; ++w) {
+        ll += s_lw[w * G + vq_tid] * vq_exp2(s_red[w * G + vq_tid] - mm);
+      }
+      s_mrun[vq_tid] = mm;
+      s_lrun[vq_tid] = ll;
+    }
+    VQ_BARRIER();
+    for (int idx = (int)vq_tid; idx < G * D; idx += TILE) {
+      float sum = 0.0f;
+      for (int w = 0; w < NWARPS; ++w) sum += s_acc[w * G * D + idx];
+      part_o[(split * HQ + h * G) * D + idx] = sum;
+    }
+"""
+)
+
+_MMA_BODY = (
+    _PARTIAL_PARAMS
+    + _MMA_SHARED
+    + _PARTIAL_OPEN
+    + _MMA_BOOKS
+    + _PARTIAL_QTILDE
+    + _MMA_TILES
+    + _PARTIAL_EXACT
 )
 
 # This lane's elements of exact token b's key and value rows, from row offset `row` of K / V (the
@@ -1215,7 +1618,10 @@ def _round4(n: int) -> int:
 
 def threadgroup_bytes(lay: Layout, r: int, one_launch: bool = False) -> int:
     """Threadgroup memory of the partial kernel (Apple GPUs allow 32 KB), or of the one-launch
-    kernel: its codebook array is at least `one_launch_big4`, and a flag."""
+    kernel: its codebook array is at least `one_launch_big4`, and a flag (`mma_bytes` where
+    it runs its coded tokens on the tensor cores)."""
+    if one_launch and mma_takes(lay, r):
+        return mma_bytes(lay, r)
     c = _partial_constants(lay, r)
     big4 = one_launch_big4(lay, c["BIG4"]) if one_launch else c["BIG4"]
     floats = lay.group * lay.head_dim + c["KM"] * c["QS"] + c["P"] * c["WS"] + c["PBUF"]
@@ -1228,6 +1634,77 @@ def one_launch_big4(lay: Layout, big4: int) -> int:
     last threadgroup's merge or its exact threadgroup's encoder need more (they reuse it)."""
     tail = max(4 * combine_floats(lay.group, lay.head_dim, TILE), encode_threadgroup_bytes(lay))
     return max(big4, -(-tail // 16))
+
+
+def mma_takes(lay: Layout, r: int | None = None) -> bool:
+    """Whether the one-launch kernel runs its coded tokens on the tensor cores (`_MMA_TILES`):
+    MMA on, head_dim a multiple of 16, at most 8 query heads per KV head (mma's N) and its
+    threadgroup arrays within CUDA's limit. It reads whole 16-token blocks of code rows, so the
+    code buffers' capacity must be a multiple of 16 (the cache grows them by CODE_STEP)."""
+    r = TOKENS_PER_THREAD if r is None else r
+    return (
+        MMA
+        and lay.head_dim % 16 == 0
+        and lay.group <= 8
+        and mma_bytes(lay, r) <= THREADGROUP_LIMIT["cuda"]
+    )
+
+
+def _f16_replicas(codes: int, words: int, budget: int) -> int:
+    """Copies of an f16 codebook of `words` 32-bit words per entry, as `_replicas`."""
+    reps = 32 // words
+    while reps > 1 and codes * words * 4 * reps > budget:
+        reps //= 2
+    return reps
+
+
+def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
+    d, kd, vd = lay.head_dim, lay.key_sub_dim, lay.value_sub_dim
+    kew, vew = max(1, kd // 2), max(1, vd // 2)
+    ksb = d // 4 // kd * lay.key_bits  # bits of a lane's key slice (a quarter of the dims)
+    vsb = d // 8 // vd * lay.value_bits  # ... and value slice (an eighth)
+    kr = _f16_replicas(1 << lay.key_bits, kew, CODEBOOK_BYTES)
+    vr = _f16_replicas(1 << lay.value_bits, vew, MMA_VALUE_BOOK_BYTES)
+    return {
+        "TT": TILE * r,  # tokens per tile
+        "WB": TILE * r // (TILE // 32 * 16),  # 16-token blocks per SIMD group and tile
+        "DC": d // 16,  # 16-dim chunks (key A columns, value A row blocks)
+        "PC": d // 16,  # 16-column chunks of the P phase pairs' cos / -sin
+        "KSD": d // 4,
+        "KSB": ksb,
+        "KSW": -(-ksb // 32),
+        "KALIGN": ksb % 32 == 0,
+        "VSD": d // 8,
+        "VSUB": d // 8 // vd,
+        "VSB": vsb,
+        "VSW": -(-vsb // 32),
+        "VALIGN": vsb % 32 == 0,
+        "KEW": kew,
+        "VEW": vew,
+        "VEWT": "uint2" if vew == 2 else "uint32_t",
+        "KR16": kr,
+        "VR16": vr,
+        "KLG": (kr * kew * 4).bit_length() - 1,  # log2 of a code's bytes in the copies' array
+        "VLG": (vr * vew * 4).bit_length() - 1,
+    }
+
+
+def _mma_big4(lay: Layout, r: int) -> int:
+    """float4s of the tensor-core path's key codebook copies, then its SIMD groups' rows."""
+    c = _mma_constants(lay, r)
+    books = (1 << lay.key_bits) * c["KR16"] * c["KEW"] * 4
+    return -(-max(books, 4 * (TILE // 32) * lay.group * lay.head_dim) // 16)
+
+
+def mma_bytes(lay: Layout, r: int) -> int:
+    """Threadgroup memory of the one-launch kernel on the tensor cores (`_MMA_SHARED`)."""
+    c = {**_partial_constants(lay, r), **_mma_constants(lay, r)}
+    g, d, nw = lay.group, lay.head_dim, c["NWARPS"]
+    big4 = one_launch_big4(lay, _mma_big4(lay, r))
+    floats = g * d + c["KM"] * c["QS"] + 2 * 32 * (2 * c["PC"] if lay.center else 1)
+    floats += 2 * 32 * c["DC"] + 2 * nw * g + 2 * g
+    vbook = 16 * -(-((1 << lay.value_bits) * c["VR16"] * c["VEW"]) // 4)
+    return 4 * floats + vbook + 16 * big4 + 4
 
 
 def encode_threadgroup_bytes(lay: Layout) -> int:
@@ -1363,6 +1840,7 @@ _ONE_LAUNCH_PACK = """
   const HALF_T* value_mean = reinterpret_cast<const HALF_T*>(layer_pack + OFF_VALUE_MEAN);
   const float* inv_freq = reinterpret_cast<const float*>(layer_pack + OFF_INV_FREQ);
   const float* phase_table = reinterpret_cast<const float*>(layer_pack + OFF_PHASE_TABLE);
+  const uint32_t* phase_frags = layer_pack + OFF_PHASE_FRAGS;
 """
 
 # Every split's running max, sum and output rows in the one output `parts`: [part_m][part_l]
@@ -1375,11 +1853,14 @@ _ONE_LAUNCH_PARTS = """
 """
 
 
-def pack_segments(lay: Layout) -> dict[str, tuple[int, int, str]]:
-    """{name: (offset in 32-bit words, elements, dtype)} of `layer_pack`'s segments, each on a
-    16-byte boundary; a segment the layout never reads has no elements."""
+def pack_segments(lay: Layout, r: int | None = None) -> dict[str, tuple[int, int, str]]:
+    """{name: (offset in 32-bit words, elements, dtype)} of `layer_pack`'s segments for r coded
+    tokens per thread (default TOKENS_PER_THREAD), each on a 16-byte boundary; a segment the
+    kernel never reads has no elements."""
+    r = TOKENS_PER_THREAD if r is None else r
     h, d, p = lay.n_kv_heads, lay.head_dim, lay.head_dim // 2
     hd = h * d
+    mma = mma_takes(lay, r)
     sizes = {
         "fparams": (8, "float32"),
         "counter": (max(8, h), "uint32"),
@@ -1390,7 +1871,8 @@ def pack_segments(lay: Layout) -> dict[str, tuple[int, int, str]]:
         "value_smooth": (hd if lay.value_smooth else 0, "float16"),
         "value_mean": (hd if lay.value_mean else 0, "float16"),
         "inv_freq": (p if lay.center else 0, "float32"),
-        "phase_table": (p * (TILE + 1) * 2 if lay.center else 0, "float32"),
+        "phase_table": (p * (TILE + 1) * 2 if lay.center and not mma else 0, "float32"),
+        "phase_frags": (TILE * r * d // 16 * 16 if lay.center and mma else 0, "float16"),
     }
     out, off = {}, 0
     for name, (n, dtype) in sizes.items():
@@ -1418,7 +1900,8 @@ def kernel_bytes(cache: Any) -> int:
 def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> mx.array:
     fparams = (scale * LOG2E, const["rscale"])
     memo = cache.__dict__["_kernel_memo"]
-    key = ("pack", lay, r, fparams)
+    mma = mma_takes(lay, r)
+    key = ("pack", lay, r, fparams, mma)
     if key not in memo:
         arrays = {
             "fparams": _float_params(*fparams),
@@ -1430,8 +1913,13 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
             "value_mean": cache.value_mean,
             "inv_freq": const["inv_freq"],
             "phase_table": const["table"],
+            "phase_frags": (
+                mx.array(phase_fragments(cache.rope, lay.head_dim, r))
+                if mma and lay.center
+                else None
+            ),
         }
-        segments = pack_segments(lay)
+        segments = pack_segments(lay, r)
         pack = np.zeros(segments["end"][0] * 4, np.uint8)
         for name, (off, n, dtype) in segments.items():
             if not n or name == "counter":
@@ -1457,9 +1945,16 @@ def one_launch_kernel_source(
     `window_dtype`. Needs head_dim <= TILE. A decode step's layer is then one custom-kernel call
     instead of two."""
     r = TOKENS_PER_THREAD if r is None else r
-    key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK)
+    mma = mma_takes(lay, r)
+    key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK, mma)
+    key += (MMA_MIN_THREADGROUPS,)
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
+        if mma:  # the same kernel with its coded tokens on the tensor cores
+            constants = {**partial.constants, **_mma_constants(lay, r), "BIG4": _mma_big4(lay, r)}
+            body, helpers = _EXACT_ROW + _MMA_BODY, partial.helpers + _MMA_HELPERS
+            partial = replace(partial, body=body, constants=constants, helpers=helpers)
+            partial = replace(partial, min_threadgroups=MMA_MIN_THREADGROUPS)
         combine = _combine_statements("h * G", lay.group, TILE, lay.head_dim, "s_tail")
         encode = _encode_statements("0", "(int)vq_gy", in_place=True)
         encode = re.sub(r"\bk_in\b", "win_k", re.sub(r"\bv_in\b", "win_v", encode))
@@ -1467,7 +1962,7 @@ def one_launch_kernel_source(
         splits = "  const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;\n"
         assert partial.body.count(splits) == 1
         body = partial.body.replace(splits, splits + _ONE_LAUNCH_PARTS)
-        offsets = {f"OFF_{n.upper()}": off for n, (off, _, _) in pack_segments(lay).items()}
+        offsets = {f"OFF_{n.upper()}": off for n, (off, _, _) in pack_segments(lay, r).items()}
         _SOURCES[key] = KernelSource(
             name="vq_vecinfer_attn_one_launch",
             inputs=ONE_LAUNCH_INPUTS,
@@ -1485,6 +1980,7 @@ def one_launch_kernel_source(
             threads=TILE,
             helpers=partial.helpers,
             backends=("cuda",),
+            min_threadgroups=partial.min_threadgroups,
         )
     return _SOURCES[key]
 
@@ -1737,6 +2233,30 @@ def _rope_arrays(
     return inv, table, scale
 
 
+def phase_fragments(rope: RopeSpec, head_dim: int, r: int) -> np.ndarray:
+    """The tensor-core path's phase operand (`_MMA_TILES`), f16 [TILE·r / 16, D / 16, 32, 8]:
+    for block db of a tile, chunk c and lane L (quad = L / 4, l4 = L % 4), mma's A fragment
+    a0..a3 = rows (quad, pair j0), (quad + 8, j0), (quad, j0 + 1), (quad + 8, j0 + 1) with
+    j0 = 8c + 2·l4, each (cos, -sin) of the row's token offset 16·db + row times scale·θ_j
+    (zero past the P pairs). Built once per RoPE and r, shared by every layer's pack."""
+    key = ("frags", head_dim, r, tuple(sorted(rope.meta().items())), id(rope.freqs))
+    if key not in _CONSTS:
+        p = head_dim // 2
+        phi = float(rope.scale) * rope_inv_freq(rope, head_dim).astype(np.float64)
+        db, c, lane = np.meshgrid(
+            np.arange(TILE * r // 16), np.arange(head_dim // 16), np.arange(32), indexing="ij"
+        )
+        out = np.zeros((*db.shape, 8))
+        for slot, (row8, hf) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
+            offset = 16 * db + lane // 4 + 8 * row8
+            j = 8 * c + 2 * (lane % 4) + hf
+            angle = offset * phi[np.minimum(j, p - 1)]
+            out[..., 2 * slot] = np.where(j < p, np.cos(angle), 0.0)
+            out[..., 2 * slot + 1] = np.where(j < p, -np.sin(angle), 0.0)
+        _CONSTS[key] = (out.astype(np.float16), rope.freqs)
+    return _CONSTS[key][0]
+
+
 def _float_params(*values: float) -> mx.array:
     """The float parameters of a launch, [8] f32, one array per distinct value set: they are
     constant per model, and every fresh array costs each decode step a host-to-device copy."""
@@ -1842,6 +2362,12 @@ def attention_inputs(
     if one and lay.head_dim > TILE:
         raise ValueError(f"one launch needs head_dim <= {TILE}, not {lay.head_dim}")
     one = one and (encode is None or in_place)
+    if one and n_splits and int(kbuf.shape[2]) % 16 and mma_takes(lay, r):
+        raise ValueError(
+            f"vecinfer: the code buffers hold {int(kbuf.shape[2])} tokens, not a multiple of 16, "
+            "and the tensor-core kernel reads whole 16-token blocks; grow them with "
+            "VecInferCache._reserve_codes (as fused_attention does) or set kernels.MMA = False"
+        )
     if one:  # ONE_LAUNCH_INPUTS
         pack = _layer_pack(cache, lay, const, r, scale)
         partial = [queries, iparams, kbuf, vbuf, pack, sk, sv, wk, wv, nk, nv, last]
@@ -1855,7 +2381,8 @@ def attention_inputs(
     # whose dtypes can change between steps (placeholders before the sinks and the window
     # exist) are in the key, every other input is the cache's own and fixed
     dtypes = (queries.dtype, sk.dtype, sv.dtype, wk.dtype, wv.dtype, nk.dtype, nv.dtype)
-    key = ("plan", n_q, r, encode is not None, in_place, one, COMBINE_CHUNK, last.dtype, *dtypes)
+    key = ("plan", n_q, r, encode is not None, in_place, one, COMBINE_CHUNK, MMA, last.dtype)
+    key += dtypes
     plan = memo.get(key)
     if plan is None:
         if one:
@@ -1899,11 +2426,11 @@ def takes_one_launch(lay: Layout, r: int | None = None) -> bool:
     from veloxquant.kernels import backend
 
     r = TOKENS_PER_THREAD if r is None else r
-    return ONE_LAUNCH and backend() == "cuda" and _one_launch_fits(lay, r)
+    return ONE_LAUNCH and backend() == "cuda" and _one_launch_fits(lay, r, MMA)
 
 
 @functools.lru_cache(maxsize=64)
-def _one_launch_fits(lay: Layout, r: int) -> bool:
+def _one_launch_fits(lay: Layout, r: int, mma: bool) -> bool:  # mma: MMA, a key of the cache
     return lay.head_dim <= TILE and threadgroup_bytes(lay, r, True) <= THREADGROUP_LIMIT["cuda"]
 
 
