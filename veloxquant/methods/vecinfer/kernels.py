@@ -805,6 +805,21 @@ VQ_FN uint32_t vq_bits(const uint32_t (&w)[N], int b, int nb) {
   if (sh + nb > 32) x |= w[i + 1] << (32 - sh);
   return x & ((1u << nb) - 1u);
 }
+// REPS copies of a codebook of CODES entries of SD f16 values, each as EW 32-bit words (a
+// lone half in the low bits), entry c's copy r at words (c * REPS + r) * EW of dst; the
+// threadgroup's `threads` threads from thread `tid`
+template <int CODES, int REPS, int SD, int EW, class H>
+VQ_FN void vq_book16(VQ_TG uint32_t* dst, const VQ_GLOBAL H* book, int tid, int threads) {
+  const VQ_GLOBAL unsigned short* bits = reinterpret_cast<const VQ_GLOBAL unsigned short*>(book);
+  for (int i = tid; i < CODES * REPS; i += threads) {
+    const int base = (i / REPS) * SD;
+    VQ_UNROLL
+    for (int w = 0; w < EW; ++w) {
+      const uint32_t hi = SD > 2 * w + 1 ? (uint32_t)bits[base + 2 * w + 1] << 16 : 0u;
+      dst[i * EW + w] = (uint32_t)bits[base + 2 * w] | hi;
+    }
+  }
+}
 // the T at byte offset `at` of a threadgroup array
 template <class T>
 VQ_FN T vq_tg_at(const VQ_TG char* base, uint32_t at) {
@@ -853,30 +868,12 @@ _MMA_SHARED = """
   VQ_TG float* s_qtf = reinterpret_cast<VQ_TG float*>(s_qt);
 """
 
-_MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), KEW / VEW words per
-    // entry, copied so that a SIMD group's random codes hit distinct banks
-    using vq_u16 = unsigned short;
-    const VQ_GLOBAL vq_u16* kbits = reinterpret_cast<const VQ_GLOBAL vq_u16*>(key_book);
-    const VQ_GLOBAL vq_u16* vbits = reinterpret_cast<const VQ_GLOBAL vq_u16*>(value_book);
+_MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), copied so that a SIMD
+    // group's random codes hit distinct banks
+    const int kbook = KBOOKS > 1 ? h : 0, vbook = VBOOKS > 1 ? h : 0;
+    vq_book16<KCODES, KR16, KD, KEW>(s_kb16, key_book + kbook * KCODES * KD, (int)vq_tid, TILE);
     VQ_TG uint32_t* s_vbw = reinterpret_cast<VQ_TG uint32_t*>(s_vb16);
-    const int kbook = KBOOKS > 1 ? h : 0;
-    for (int i = (int)vq_tid; i < KCODES * KR16; i += TILE) {
-      const int base = (kbook * KCODES + i / KR16) * KD;
-      VQ_UNROLL
-      for (int w = 0; w < KEW; ++w) {
-        s_kb16[i * KEW + w] = (uint32_t)kbits[base + 2 * w] |
-                              (KD > 2 * w + 1 ? (uint32_t)kbits[base + 2 * w + 1] << 16 : 0u);
-      }
-    }
-    const int vbook = VBOOKS > 1 ? h : 0;
-    for (int i = (int)vq_tid; i < VCODES * VR16; i += TILE) {
-      const int base = (vbook * VCODES + i / VR16) * VD;
-      VQ_UNROLL
-      for (int w = 0; w < VEW; ++w) {
-        s_vbw[i * VEW + w] = (uint32_t)vbits[base + 2 * w] |
-                             (VD > 2 * w + 1 ? (uint32_t)vbits[base + 2 * w + 1] << 16 : 0u);
-      }
-    }
+    vq_book16<VCODES, VR16, VD, VEW>(s_vbw, value_book + vbook * VCODES * VD, (int)vq_tid, TILE);
 """
 
 _MMA_TILES = (
