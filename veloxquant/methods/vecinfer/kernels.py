@@ -952,7 +952,8 @@ _MMA_TILES = (
         const int db = (int)vq_warp * WB + k;
         const int tb = tile + db * 16;
         // a block past the split's last token reads that last block's rows (its scores are
-        // masked): rows up to the last token's block end, within the buffer (`mma_takes`)
+        // masked): rows up to the last token's block end, within the buffer (`mma_takes`); a
+        // row past T may be the one this launch's encoder is writing, masked all the same
         const VQ_GLOBAL uint32_t* krow = kbase + min(tb, tlast) * KW;
         uint32_t kw[2][KSW];
         VQ_UNROLL
