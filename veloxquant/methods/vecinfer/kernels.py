@@ -952,7 +952,8 @@ _MMA_TILES = (
         const int db = (int)vq_warp * WB + k;
         const int tb = tile + db * 16;
         // a block past the split's last token reads that last block's rows (its scores are
-        // masked): rows up to the last token's block end, within the buffer (`mma_takes`); a
+        // masked): rows up to the last token's block end, within the buffer (its capacity is
+        // a multiple of 16: attention_inputs refuses others); a
         // row past T may be the one this launch's encoder is writing, masked all the same
         const VQ_GLOBAL uint32_t* krow = kbase + min(tb, tlast) * KW;
         uint32_t kw[2][KSW];
@@ -1622,8 +1623,10 @@ def threadgroup_bytes(lay: Layout, r: int, one_launch: bool = False) -> int:
         return mma_bytes(lay, r)
     c = _partial_constants(lay, r)
     big4 = one_launch_big4(lay, c["BIG4"]) if one_launch else c["BIG4"]
-    floats = lay.group * lay.head_dim + c["KM"] * c["QS"] + c["P"] * c["WS"] + c["PBUF"]
-    floats += 4 * big4 + 3 * lay.group + c["NWARPS"] * lay.group + lay.group * c["NTAY"]
+    # s_w and s_tay; without a key mean their placeholders are never read, and compilers drop them
+    phase = c["P"] * c["WS"] + lay.group * c["NTAY"] if lay.center else 0
+    floats = lay.group * lay.head_dim + c["KM"] * c["QS"] + phase + c["PBUF"]
+    floats += 4 * big4 + 3 * lay.group + c["NWARPS"] * lay.group
     return 4 * floats + c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4 + (4 if one_launch else 0)
 
 
@@ -1699,7 +1702,7 @@ def mma_bytes(lay: Layout, r: int) -> int:
     c = {**_partial_constants(lay, r), **_mma_constants(lay, r)}
     g, d, nw = lay.group, lay.head_dim, c["NWARPS"]
     big4 = one_launch_big4(lay, _mma_big4(lay, r))
-    floats = g * d + c["KM"] * c["QS"] + 2 * 32 * (2 * c["PC"] if lay.center else 1)
+    floats = g * d + c["KM"] * c["QS"] + (2 * 2 * 32 * c["PC"] if lay.center else 0)  # s_wb
     floats += 2 * 32 * c["DC"] + 2 * nw * g + 2 * g
     vbook = 16 * -(-((1 << lay.value_bits) * c["VR16"] * c["VEW"]) // 4)
     return 4 * floats + vbook + 16 * big4 + 4
