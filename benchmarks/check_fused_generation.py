@@ -5,6 +5,12 @@ occurs in one process. Random-weight model (greedy tokens from the transient pat
 
     python benchmarks/check_fused_generation.py \
         --random-weights benchmarks/configs/smollm2-135m.json
+
+With `--model` (and `--artifact-dir`, a calibrated bundle: d2b6 keys around a RoPE-rotated
+mean, so the kernels' phase term runs), the same on real weights:
+
+    python benchmarks/check_fused_generation.py --model artifacts/smollm2-135m/model \
+        --artifact-dir artifacts/smollm2-135m/bundle
 """
 
 from __future__ import annotations
@@ -17,12 +23,20 @@ import mlx.core as mx
 from veloxquant import KVCacheConfig, make_cache
 from veloxquant.codes import unpack_codes
 from veloxquant.methods.vecinfer import kernels as K
+from veloxquant.model_import import load_model
 from _common import random_weights_model
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--random-weights", required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--random-weights", metavar="CONFIG_JSON")
+    which.add_argument(
+        "--model", metavar="MODEL_DIR", help="real weights (veloxquant import-model)"
+    )
+    p.add_argument(
+        "--artifact-dir", help="a calibration bundle (with --model; default: uncalibrated d4b8)"
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt", type=int, nargs="+", default=[8, 40])
     p.add_argument("--steps", type=int, default=48)
@@ -35,8 +49,15 @@ def main() -> None:
     args = p.parse_args()
     K.WRITE_IN_PLACE = not args.slice_updates
     K.MMA = args.mma
-    model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
-    config = KVCacheConfig(method="vecinfer", uncalibrated=True)
+    if args.model:
+        model, _ = load_model(args.model)
+        model.set_dtype(getattr(mx, args.dtype))
+    else:
+        model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
+    if args.artifact_dir:
+        config = KVCacheConfig(method="vecinfer", artifact_dir=args.artifact_dir)
+    else:
+        config = KVCacheConfig(method="vecinfer", uncalibrated=True)
     worst = 0.0
     for n in args.prompt:
         ref, fused = make_cache(model, config), make_cache(model, config)
