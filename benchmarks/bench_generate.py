@@ -187,12 +187,10 @@ def use_kernels(fn=None, one_launch: bool = True, source_files: bool = True, mma
 
 def bound_arms(model, ctx: int) -> dict:
     """--bounds' arms: {name: (caches, select)}, select swapping the attention launches."""
-    use = use_kernels
-    real = None
-    arms = {"vecinfer": use(real), "two_launches": use(real, one_launch=False)}
-    arms["inline_source"] = use(real, source_files=False)
-    arms["no_combine"] = use(partial_only, one_launch=False)
-    arms["no_attention"] = use(lambda a, queries: (queries, None))
+    arms = {"vecinfer": use_kernels(), "two_launches": use_kernels(one_launch=False)}
+    arms["inline_source"] = use_kernels(source_files=False)
+    arms["no_combine"] = use_kernels(partial_only, one_launch=False)
+    arms["no_attention"] = use_kernels(lambda a, queries: (queries, None))
     return {
         n: (default_layout_caches(model, ctx) if n != "vecinfer" else None, f)
         for n, f in arms.items()

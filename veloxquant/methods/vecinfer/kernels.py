@@ -1601,12 +1601,13 @@ PARTIAL_INPUTS = (
 )
 
 
-def _replicas(codes: int, sub: int) -> int:
-    """Copies of a codebook in threadgroup memory: enough that a SIMD group's random codes
-    hit distinct banks (accesses of 4·sub bytes are served 32·4 / (4·sub) lanes at a time),
-    within CODEBOOK_BYTES."""
+def _replicas(codes: int, sub: int, budget: int = CODEBOOK_BYTES) -> int:
+    """Copies of a codebook of `sub` 32-bit words per entry (float32 values, or the tensor-core
+    path's f16 pairs) in threadgroup memory: enough that a SIMD group's random codes hit
+    distinct banks (accesses of 4·sub bytes are served 32·4 / (4·sub) lanes at a time),
+    within `budget` bytes."""
     reps = 32 // sub
-    while reps > 1 and codes * sub * 4 * reps > CODEBOOK_BYTES:
+    while reps > 1 and codes * sub * 4 * reps > budget:
         reps //= 2
     return reps
 
@@ -1651,21 +1652,13 @@ def mma_takes(lay: Layout, r: int | None = None) -> bool:
     )
 
 
-def _f16_replicas(codes: int, words: int, budget: int) -> int:
-    """Copies of an f16 codebook of `words` 32-bit words per entry, as `_replicas`."""
-    reps = 32 // words
-    while reps > 1 and codes * words * 4 * reps > budget:
-        reps //= 2
-    return reps
-
-
 def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
     d, kd, vd = lay.head_dim, lay.key_sub_dim, lay.value_sub_dim
     kew, vew = max(1, kd // 2), max(1, vd // 2)
     ksb = d // 4 // kd * lay.key_bits  # bits of a lane's key slice (a quarter of the dims)
     vsb = d // 8 // vd * lay.value_bits  # ... and value slice (an eighth)
-    kr = _f16_replicas(1 << lay.key_bits, kew, CODEBOOK_BYTES)
-    vr = _f16_replicas(1 << lay.value_bits, vew, MMA_VALUE_BOOK_BYTES)
+    kr = _replicas(1 << lay.key_bits, kew)
+    vr = _replicas(1 << lay.value_bits, vew, MMA_VALUE_BOOK_BYTES)
     return {
         "TT": TILE * r,  # tokens per tile
         "WB": TILE * r // (TILE // 32 * 16),  # 16-token blocks per SIMD group and tile
