@@ -1,4 +1,4 @@
-"""KIVI (veloxquant/methods/kivi.py): the quantizer against an independent numpy reference, bit-
+"""KIVI (veloxquant/methods/kivi/): the quantizer against an independent numpy reference, bit-
 plane packing, honest nbytes, window flushing, mixed bits across heads, the cache contract and
 a prompt-cache round trip on the real model."""
 

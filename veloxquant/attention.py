@@ -82,6 +82,34 @@ def dispatch(
     return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
+def mask_columns(mask: Any, n_q: int, total: int, start: int, length: int) -> mx.array | None:
+    """Columns start .. start+length-1 of the attention mask of n_q queries over `total` keys
+    (the queries being the last n_q of them): None (no mask), "causal", or an mlx-lm mask
+    array [.., N, total]; None means every column is visible. For attention computed in
+    pieces (the fused caches' pure-MLX paths), as a boolean or additive mask broadcasting
+    against scores [B, H_kv, G, N, length]."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported attention mask {mask!r}")
+        qpos = mx.arange(total - n_q, total)[:, None]
+        kpos = mx.arange(start, start + length)[None, :]
+        return qpos >= kpos
+    if mask.ndim == 4:  # [B, 1, N, L] against scores [B, H, G, N, L]
+        mask = mask[:, :, None]
+    return mask[..., start : start + length]
+
+
+def apply_mask(scores: mx.array, mask: mx.array | None) -> mx.array:
+    """scores with `mask_columns`'s mask applied (masked scores become -inf)."""
+    if mask is None:
+        return scores
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, -mx.inf)
+    return scores + mask
+
+
 def _takes_cpu_softmax(queries: Any, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     if not (
         (mask is None or (isinstance(mask, str) and mask == "causal"))

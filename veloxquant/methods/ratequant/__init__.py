@@ -1,7 +1,7 @@
 """RateQuant: mixed-precision KIVI with bits water-filled over (layer, KV head, K/V stream).
 
 Paper: "RateQuant", arXiv 2605.06675. DESIGN.md section 8. The runtime is the packed KIVI
-cache of veloxquant/methods/kivi.py with per-head bit widths.
+cache of veloxquant/methods/kivi/ with per-head bit widths.
 
 Calibration (`calibrate`; stage `ratequant`), from the model, calibration token windows and a
 capture (k_post, v):
@@ -74,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from veloxquant import cpu_kernels
+from veloxquant import attention, cpu_kernels
 from veloxquant.methods import kivi
 from veloxquant.methods.base import Artifact, CalibrationInputs, Method, ModelDims, TensorSpec
 from veloxquant.methods.ratequant import alloc, fisher
@@ -504,7 +504,9 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
         bits = alloc.uniform_allocation(
             (dims.L, dims.H_kv, 2), config.bits, allowed or DEFAULT_ALLOWED_BITS, g
         )
-        return kivi.build_caches(bits, g, window, sinks)
+        caches = kivi.build_caches(bits, g, window, sinks)
+        attention.enable_for(model, caches, "ratequant")
+        return caches
     if artifact is None:
         raise ValueError(
             "ratequant is calibrated: pass artifact_dir=DIR of a bundle with a "
@@ -517,7 +519,10 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
     )
     target = hp["bits"] if config.bits is None else config.bits
     bits, _ = solve_allocation(artifact, target, kind, allowed, response)
-    return kivi.build_caches(bits, g, window, sinks)
+    caches = kivi.build_caches(bits, g, window, sinks)
+    # fused attention whenever the model's attention can be routed (veloxquant.attention)
+    attention.enable_for(model, caches, "ratequant")
+    return caches
 
 
 def plot_artifact(artifact: Artifact, path: Path) -> None:

@@ -61,6 +61,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from veloxquant import attention
 from veloxquant.codes import code_bytes, pq_decode
 from veloxquant.kernels import KernelSource
 from veloxquant.rope import RopeSpec, rotated_mean
@@ -2558,29 +2559,6 @@ PIECE_ELEMENTS = 1 << 25
 PIECE_TOKENS = 16384
 
 
-def _fp_mask(mask: Any, n_q: int, total: int, start: int, length: int) -> mx.array | None:
-    """The mask columns start .. start+length-1 of a [.., N, total] attention (None: all)."""
-    if mask is None:
-        return None
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unsupported attention mask {mask!r}")
-        qpos = mx.arange(total - n_q, total)[:, None]
-        kpos = mx.arange(start, start + length)[None, :]
-        return qpos >= kpos
-    if mask.ndim == 4:  # [B, 1, N, L] against scores [B, H, G, N, L]
-        mask = mask[:, :, None]
-    return mask[..., start : start + length]
-
-
-def _apply_mask(scores: mx.array, m: mx.array | None) -> mx.array:
-    if m is None:
-        return scores
-    if m.dtype == mx.bool_:
-        return mx.where(m, scores, -mx.inf)
-    return scores + m
-
-
 def reference_attention(
     cache: Any, queries: mx.array, scale: float, mask: Any, pending: dict
 ) -> mx.array:
@@ -2628,7 +2606,7 @@ def reference_attention(
         if cache.key_mean is not None:
             mu = rotated_mean(cache.key_mean.astype(f32), cache.rope, cache.sinks + a, e - a)
             s = s + q @ mu.swapaxes(-1, -2)
-        s = _apply_mask(rows(s), _fp_mask(mask, n, total, n_sink + a, e - a))
+        s = attention.apply_mask(rows(s), attention.mask_columns(mask, n, total, n_sink + a, e - a))
         m_new = mx.maximum(m_run, s.max(axis=-1, keepdims=True))
         alpha = mx.exp(m_run - m_new)
         p = mx.exp(s - m_new)
@@ -2646,9 +2624,9 @@ def reference_attention(
     s = q @ fk.swapaxes(-1, -2)
     fp_cols = [(0, n_sink)] if n_sink else []
     fp_cols.append((n_sink + n_coded, int(fk.shape[2]) - n_sink))
-    masks = [_fp_mask(mask, n, total, st, ln) for st, ln in fp_cols]
+    masks = [attention.mask_columns(mask, n, total, st, ln) for st, ln in fp_cols]
     fm = None if masks[0] is None else mx.concatenate(masks, axis=-1)
-    s = _apply_mask(rows(s), fm)
+    s = attention.apply_mask(rows(s), fm)
     m_new = mx.maximum(m_run, s.max(axis=-1, keepdims=True))
     alpha = mx.exp(m_run - m_new)
     p = mx.exp(s - m_new)

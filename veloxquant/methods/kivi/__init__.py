@@ -65,6 +65,7 @@ import mlx_lm.models.cache as mlx_cache
 import numpy as np
 from mlx_lm.models.cache import create_attention_mask
 
+from veloxquant import attention
 from veloxquant.methods.base import (
     CompressedCache,
     take_sinks,
@@ -326,6 +327,10 @@ class KIVICache(CompressedCache):
         self.offset = 0
         self.n_quantized = 0
         self.head_dim = None
+        self.fused = False  # set by make_caches (veloxquant.attention.enable_for)
+        self._pending: dict | None = None
+        self.last_attention: str | None = None
+        self._n_q_heads: int | None = None  # seen by the latest fused attention
         self.sink_keys = self.sink_values = None
         self.window_keys = self.window_values = None
         # store[stream][bits] = {"codes", "scale", "zero"}, one entry per bit-width bucket
@@ -369,17 +374,29 @@ class KIVICache(CompressedCache):
                 self.store[stream][b] = new
         self.n_quantized += keys.shape[2]
 
-    def _dequantize(self, stream: str) -> mx.array:
+    def _dequantize(
+        self, stream: str, store: dict | None = None, first: int = 0, last: int | None = None
+    ) -> mx.array:
+        """Blocks first .. last-1 (G tokens each; default all) of the quantized store, or of
+        a snapshot of it, as float32 [B, H, n·G, D] in head order."""
         parts = []
         g, d = self.group_size, self.head_dim
+        store = self.store if store is None else store
+        last = self.n_quantized // g if last is None else last
         for b, _ in self.buckets[stream]:
-            st = self.store[stream][b]
+            st = store[stream][b]
             if stream == "key":  # rows [B, h, n, D·G] → [B, h, n·G, D]
-                x = dequantize_rows(st["codes"], st["scale"], st["zero"], b, g, d * g)
+                sl = slice(first, last)
+                x = dequantize_rows(
+                    st["codes"][:, :, sl], st["scale"][:, :, sl], st["zero"][:, :, sl], b, g, d * g
+                )
                 bsz, h, n, _ = x.shape
                 x = x.reshape(bsz, h, n, d, g).swapaxes(-1, -2).reshape(bsz, h, n * g, d)
             else:
-                x = dequantize_rows(st["codes"], st["scale"], st["zero"], b, g, d)
+                sl = slice(first * g, last * g)
+                x = dequantize_rows(
+                    st["codes"][:, :, sl], st["scale"][:, :, sl], st["zero"][:, :, sl], b, g, d
+                )
             parts.append(x)
         x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
         inv = self._inverse[stream]
@@ -393,10 +410,9 @@ class KIVICache(CompressedCache):
 
     # -- mlx-lm cache protocol
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        dtype = keys.dtype
+    def _set_head_dim(self, keys: mx.array) -> None:
         if self.head_dim is None:
-            b, h, _, d = keys.shape
+            h, d = keys.shape[1], keys.shape[3]
             if h != self.head_bits.shape[0]:
                 raise ValueError(
                     f"kivi: head_bits covers {self.head_bits.shape[0]} KV heads "
@@ -404,11 +420,38 @@ class KIVICache(CompressedCache):
                 )
             check_group_size(self.group_size, d)
             self.head_dim = d
+
+    def _keep_recent(self, recent_k: mx.array, recent_v: mx.array) -> None:
+        """The window's tokens followed by the call's (float32): flush whole blocks of G
+        while the window would keep at least `window` tokens; the rest is the new window."""
+        g = self.group_size
+        n_flush = max(recent_k.shape[2] - self.window, 0) // g * g
+        if n_flush:
+            self._flush(recent_k[:, :, :n_flush], recent_v[:, :, :n_flush])
+            recent_k, recent_v = recent_k[:, :, n_flush:], recent_v[:, :, n_flush:]
+        if recent_k.shape[2]:
+            self.window_keys = recent_k.astype(mx.float16)
+            self.window_values = recent_v.astype(mx.float16)
+        else:
+            self.window_keys = self.window_values = None
+
+    def _with_window(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.window_keys is None:
+            return keys, values
+        return (
+            mx.concatenate([self.window_keys.astype(mx.float32), keys], axis=2),
+            mx.concatenate([self.window_values.astype(mx.float32), values], axis=2),
+        )
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.fused:
+            return self._fused_update(keys, values)
+        self._check_no_pending()
+        dtype = keys.dtype
+        self._set_head_dim(keys)
         recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
         recent_k, recent_v, out_sk, out_sv = take_sinks(self, recent_k, recent_v)
-        if self.window_keys is not None:
-            recent_k = mx.concatenate([self.window_keys.astype(mx.float32), recent_k], axis=2)
-            recent_v = mx.concatenate([self.window_values.astype(mx.float32), recent_v], axis=2)
+        recent_k, recent_v = self._with_window(recent_k, recent_v)
         # Transient dequantization of the quantized past; attention sees it, nothing keeps it.
         out_k, out_v = [recent_k], [recent_v]
         if self.n_quantized:
@@ -420,19 +463,99 @@ class KIVICache(CompressedCache):
             out_v.insert(0, out_sv)
         out_k = out_k[0] if len(out_k) == 1 else mx.concatenate(out_k, axis=2)
         out_v = out_v[0] if len(out_v) == 1 else mx.concatenate(out_v, axis=2)
-        # Flush whole blocks of G while the window would keep at least `window` tokens.
-        g = self.group_size
-        n_flush = max(recent_k.shape[2] - self.window, 0) // g * g
-        if n_flush:
-            self._flush(recent_k[:, :, :n_flush], recent_v[:, :, :n_flush])
-            recent_k, recent_v = recent_k[:, :, n_flush:], recent_v[:, :, n_flush:]
-        if recent_k.shape[2]:
-            self.window_keys = recent_k.astype(mx.float16)
-            self.window_values = recent_v.astype(mx.float16)
-        else:
-            self.window_keys = self.window_values = None
+        self._keep_recent(recent_k, recent_v)
         self.offset += keys.shape[2]
         return out_k.astype(dtype), out_v.astype(dtype)
+
+    # -- fused attention: update_and_fetch only updates the cache and returns its inputs
+    # unchanged; veloxquant.attention routes the model's attention call to `fused_attention`,
+    # which attends straight from the packed codes (GPU kernels, or the same algebra in MLX
+    # ops, a piece of the store at a time).
+
+    @property
+    def attention_path(self) -> str:
+        """How decode attention runs: "kernel" (the fused GPU kernels), "reference" (their
+        algebra in MLX ops: the CPU, or a layout the kernels do not take, see
+        `kernels.unsupported`) or "transient" (the store dequantized whole, then mlx-lm's
+        attention). `last_attention` says what the latest call used (prefill chunks always
+        take "reference" when fused)."""
+        if not self.fused:
+            return "transient"
+        from veloxquant.methods.kivi import kernels
+
+        n_q = self._n_q_heads or self.head_bits.shape[0]
+        return "kernel" if kernels.kernels_take(self, n_q) else "reference"
+
+    def _check_no_pending(self) -> None:
+        if self._pending is not None:
+            # the update itself is complete (the store and window are already advanced); only
+            # its attention never ran
+            self._pending = None
+            raise RuntimeError(
+                "KIVICache: a fused update was never followed by its attention, so the "
+                "model's attention is not routed through veloxquant.attention (it calls "
+                "something other than mlx-lm's scaled_dot_product_attention). Set "
+                "cache.fused = False on every layer to use the transient path."
+            )
+
+    def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._check_no_pending()
+        self._set_head_dim(keys)
+        # what this call's attention reads: the store before this call's flush (its arrays are
+        # replaced, never written, by a flush), the sinks, the window before the call and the
+        # call's own tokens
+        pending = {
+            "n_quantized": self.n_quantized,
+            "store": {s: dict(self.store[s]) for s in STREAMS},
+            "win": None if self.window_keys is None else (self.window_keys, self.window_values),
+        }
+        own_sinks = self.offset < self.sinks
+        new_k, new_v, out_sk, out_sv = take_sinks(self, keys, values)
+        pending["sinks"] = (out_sk, out_sv) if own_sinks else None
+        pending["new"] = (new_k, new_v)
+        n_win = self.window_size
+        n_flush = max(n_win + new_k.shape[2] - self.window, 0) // self.group_size * self.group_size
+        if n_flush > n_win:
+            # the call's own tokens are flushed (prefill): quantized from float32, as on the
+            # transient path
+            recent = self._with_window(new_k.astype(mx.float32), new_v.astype(mx.float32))
+            self._keep_recent(*recent)
+        elif new_k.shape[2]:
+            # decode: the window stays fp16 (what it stores anyway), so a step appends the new
+            # token in two ops per stream, and a flush takes only window rows (fp16 values,
+            # the same float32 numbers as on the transient path)
+            wk, wv = new_k.astype(mx.float16), new_v.astype(mx.float16)
+            if n_win:
+                wk = mx.concatenate([self.window_keys, wk], axis=2)
+                wv = mx.concatenate([self.window_values, wv], axis=2)
+            if n_flush:
+                f32 = mx.float32
+                self._flush(wk[:, :, :n_flush].astype(f32), wv[:, :, :n_flush].astype(f32))
+                wk, wv = wk[:, :, n_flush:], wv[:, :, n_flush:]
+            self.window_keys, self.window_values = wk, wv
+        self.offset += keys.shape[2]
+        self._pending = pending
+        # Not attention inputs: veloxquant.attention sends this layer's attention to
+        # fused_attention, which reads `pending`.
+        return keys, values
+
+    def fused_attention(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        """Attention of `queries` over everything the cache held for the latest update, in
+        the model's dtype, without dequantizing the store whole: the GPU kernels for a single
+        decode query, the pure-MLX twin (the same sums, a piece of the store at a time)
+        otherwise."""
+        from veloxquant.methods.kivi import kernels
+
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("KIVICache.fused_attention: no update to attend over")
+        b, n_q, n, _ = queries.shape
+        self._n_q_heads = n_q
+        if b == 1 and n == 1 and mask is None and kernels.kernels_take(self, n_q):
+            self.last_attention = "kernel"
+            return kernels.decode_attention(self, queries, scale, pending)
+        self.last_attention = "reference"
+        return kernels.reference_attention(self, queries, scale, mask, pending)
 
     def size(self) -> int:
         return self.offset
@@ -511,6 +634,11 @@ class KIVICache(CompressedCache):
         self.head_dim = None if int(meta["head_dim"]) < 0 else int(meta["head_dim"])
         for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
             setattr(self, name, arrays.get(name))
+        # a loaded cache attends the way a fresh one would in this process
+        self.fused = attention.wanted()
+        if self.fused:
+            attention.install()
+        self._pending, self.last_attention, self._n_q_heads = None, None, None
         self.store = {"key": {}, "value": {}}
         if self.n_quantized:
             for stream in STREAMS:
@@ -581,7 +709,10 @@ def make_caches(model: Any, config: Any, artifact: Any = None) -> list[KIVICache
     group_size, window, sinks = resolve_layout(config, dims)
     alloc = np.empty((dims.L, dims.H_kv, 2), dtype=np.int64)
     alloc[..., 0], alloc[..., 1] = kb, vb
-    return build_caches(alloc, group_size, window, sinks)
+    caches = build_caches(alloc, group_size, window, sinks)
+    # fused attention whenever the model's attention can be routed (veloxquant.attention)
+    attention.enable_for(model, caches, "kivi")
+    return caches
 
 
 METHOD = Method(

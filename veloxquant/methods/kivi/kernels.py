@@ -1,0 +1,617 @@
+"""KIVI's fused decode attention: one query per head attends straight from the packed codes.
+
+The sums (per KV head h, query q of its G_q query heads, scores in log2 units):
+- keys are per channel c in blocks of G tokens: k[t, c] = code[t, c]·s[blk, c] + z[blk, c], so
+  a token's score is Σ_c (q_c·s[blk, c])·code[t, c] + Σ_c q_c·z[blk, c]: the query scaled once
+  per block (`qs`), one multiply-add per code, one bias per block;
+- values are per token in groups of G channels: Σ_t p_t·v[t, c] is accumulated from each code
+  as p_t·(code·s[t, c/G] + z[t, c/G]), nothing dequantized is stored.
+
+Two launches per layer and decode step (`decode_attention`), flash-decoding style:
+1. `partial` (one launch per (key bits, value bits) pair of the layer's heads; uniform KIVI is
+   one): threadgroup (split, head). Splits 0 .. S-1 each walk their range of the quantized
+   store in tiles of TILE tokens (one token per thread for the scores, one channel per thread
+   for the values); split S attends the exact tokens: the fp16 sinks, the fp16 window and the
+   call's own token(s). Each writes its running max m (log2 units), its sum l and its
+   unnormalised output o.
+2. `combine`: one threadgroup per query head merges the S + 1 partials (o = Σ 2^(m_s - M)·o_s
+   / Σ 2^(m_s - M)·l_s) and writes the head's output in the model's dtype.
+
+`reference_attention` is the pure-MLX twin: the same attention over the same tokens (the
+snapshot of the store a fused update leaves in `pending`), the store dequantized a piece at a
+time under an online softmax, so prefill never holds the dequantized past whole. It serves
+the CPU, prefill chunks, batches and any layout the kernels do not take (`unsupported` says
+which and why), and it is the oracle the emulated kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from veloxquant import attention
+from veloxquant.kernels import KernelSource, backend, launch
+
+TILE = 128  # tokens per tile, and threads per threadgroup
+NEG = -1.0e30  # finite "minus infinity" (no inf arithmetic in kernels)
+MAX_QUERIES_PER_KV = 8
+THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
+# threadgroups to aim for over the store: about eight per multiprocessor of an H200 (a
+# threadgroup is 4 SIMD groups, and a multiprocessor holds 7+ of them at the partial kernel's
+# 69 registers and ~9 KB: more resident SIMD groups hide the code loads' latency). A first
+# choice, not yet timed on the GPU.
+TARGET_GROUPS = 1056
+PARAMS = 16  # int32 slots of iparams
+# Scores alive at once in one piece of the twin (float32 elements): bounds prefill's peak.
+PIECE_ELEMENTS = 1 << 25
+PIECE_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one partial kernel is compiled for."""
+
+    head_dim: int
+    group_size: int
+    key_bits: int
+    value_bits: int
+    queries_per_kv: int
+
+    @property
+    def key_words(self) -> int:
+        """uint32 words of a block's key codes (D·G codes, channel-major)."""
+        return -(-self.head_dim * self.group_size * self.key_bits // 32)
+
+    @property
+    def value_words(self) -> int:
+        """uint32 words of a token's value codes (D codes)."""
+        return -(-self.head_dim * self.value_bits // 32)
+
+
+def threadgroup_bytes(lay: Layout) -> int:
+    """Threadgroup memory of the partial kernel: the scaled queries, the per-block query
+    scales and biases, the tile's scores and the softmax state."""
+    d, gq, blocks = lay.head_dim, lay.queries_per_kv, TILE // lay.group_size
+    floats = gq * d + blocks * gq * d + blocks * gq + gq * TILE + 3 * gq
+    return 4 * floats
+
+
+def unsupported(lay: Layout, which: str = "cuda") -> str | None:
+    """Why the kernels do not take a layout (None when they do)."""
+    d, g = lay.head_dim, lay.group_size
+    if TILE % g:
+        return f"group_size {g} does not divide the tile of {TILE} tokens"
+    if (d <= TILE and TILE % d) or (d > TILE and d % TILE):
+        return f"head_dim {d}: the kernels take divisors or multiples of {TILE}"
+    if lay.queries_per_kv > MAX_QUERIES_PER_KV:
+        return f"{lay.queries_per_kv} query heads per KV head (at most {MAX_QUERIES_PER_KV})"
+    if threadgroup_bytes(lay) > THREADGROUP_LIMIT[which]:
+        limit = THREADGROUP_LIMIT[which]
+        return f"{threadgroup_bytes(lay)} bytes of threadgroup memory (at most {limit})"
+    return None
+
+
+def layouts(cache: Any, n_q_heads: int) -> list[Layout]:
+    """One layout per (key bits, value bits) pair among the cache's heads."""
+    gq = n_q_heads // cache.head_bits.shape[0]
+    pairs = sorted({(int(k), int(v)) for k, v in cache.head_bits})
+    return [Layout(cache.head_dim, cache.group_size, kb, vb, gq) for kb, vb in pairs]
+
+
+def kernels_take(cache: Any, n_q_heads: int) -> bool:
+    """Whether decode attention of this cache runs in the GPU kernels: a GPU backend, a known
+    head_dim and every layout of the cache supported."""
+    which = backend()
+    if which is None or cache.head_dim is None or n_q_heads % cache.head_bits.shape[0]:
+        return False
+    return all(unsupported(lay, which) is None for lay in layouts(cache, n_q_heads))
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels (veloxquant.kernels dialect)
+
+_HELPERS = r"""
+#ifndef VQ_KIVI_HELPERS
+#define VQ_KIVI_HELPERS
+// The `bits`-bit code at bit offset `off` of a little-endian bit stream of 32-bit words.
+VQ_FN uint vq_kivi_code(const VQ_GLOBAL uint32_t* w, uint off, uint bits) {
+  const uint i = off >> 5, sh = off & 31u;
+  uint x = w[i] >> sh;
+  if (sh + bits > 32u) x |= w[i + 1] << (32u - sh);
+  return x & ((1u << bits) - 1u);
+}
+#endif
+"""
+
+# The exact tokens in position order: sinks, window, the call's own.
+_EXACT_AT = """
+#define VQ_EXACT_AT(sink, win, cur, t, c) \\
+  ((t) < n_sink ? static_cast<float>(sink[(kvh * n_sink + (t)) * D + (c)]) \\
+   : (t) < n_sink + n_win ? static_cast<float>(win[(kvh * n_win + (t) - n_sink) * D + (c)]) \\
+   : static_cast<float>(cur[(kvh * n_new + (t) - n_sink - n_win) * D + (c)]))
+"""
+
+_PARTIAL_BODY = (
+    _EXACT_AT
+    + """
+  const int n_splits = iparams[2];
+  const int split = (int)vq_gx;
+  const int ci = (int)vq_gy;
+  const int kvh = heads[4 * ci], krow = heads[4 * ci + 1], vrow = heads[4 * ci + 2];
+  const int n_blocks = iparams[0], tiles_per_split = iparams[1];
+  const int n_sink = iparams[3], n_win = iparams[4], n_new = iparams[5];
+  const int kstride = iparams[6], vstride = iparams[7];
+  const bool exact = split == n_splits;
+  const int tid = (int)vq_tid;
+  constexpr int NW = TILE / 32;
+  constexpr int BPT = TILE / G;  // key blocks per tile
+  constexpr int TL = D < TILE ? TILE / D : 1;  // token lanes of the value phase
+  constexpr int CPT = D > TILE ? D / TILE : 1;  // channels per thread of the value phase
+  VQ_SHARED float s_q[GQ * D];
+  VQ_SHARED float s_qs[BPT * GQ * D];
+  VQ_SHARED float s_bias[BPT * GQ];
+  VQ_SHARED float s_p[GQ * TILE];
+  VQ_SHARED float s_m[GQ];
+  VQ_SHARED float s_l[GQ];
+  VQ_SHARED float s_corr[GQ];
+
+  for (int i = tid; i < GQ * D; i += TILE)
+    s_q[i] = static_cast<float>(queries[kvh * GQ * D + i]) * fparams[0];
+  if (tid < GQ) {
+    s_m[tid] = NEG;
+    s_l[tid] = 0.0f;
+  }
+  float acc[GQ][CPT];
+  VQ_UNROLL
+  for (int g = 0; g < GQ; ++g)
+    VQ_UNROLL
+    for (int j = 0; j < CPT; ++j) acc[g][j] = 0.0f;
+  const int vc0 = D < TILE ? tid % D : tid;  // this thread's first value channel
+  const int vtl = D < TILE ? tid / D : 0;  // its token lane
+  const int n_exact = n_sink + n_win + n_new;
+  const int n_tiles_all = (n_blocks * G + TILE - 1) / TILE;
+  const int t_begin = exact ? 0 : split * tiles_per_split;
+  const int t_end =
+      exact ? (n_exact + TILE - 1) / TILE : min(t_begin + tiles_per_split, n_tiles_all);
+  VQ_BARRIER();
+
+  for (int tile = t_begin; tile < t_end; ++tile) {
+    // 1. scores of the tile's tokens, one per thread
+    float sc[GQ];
+    bool valid;
+    if (!exact) {
+      for (int i = tid; i < BPT * GQ * D; i += TILE) {
+        const int blk = tile * BPT + i / (GQ * D), c = i % D;
+        const int at = (krow * kstride + blk) * D + c;
+        const float s = blk < n_blocks ? static_cast<float>(key_scale[at]) : 0.0f;
+        s_qs[i] = s_q[(i / D) % GQ * D + c] * s;
+      }
+      for (int pair = (int)vq_warp; pair < BPT * GQ; pair += NW) {
+        const int blk = tile * BPT + pair / GQ, g = pair % GQ;
+        float z = 0.0f;
+        if (blk < n_blocks)
+          for (int c = (int)vq_lane; c < D; c += 32)
+            z += s_q[g * D + c] * static_cast<float>(key_zero[(krow * kstride + blk) * D + c]);
+        z = vq_simd_sum(z);
+        if (vq_lane == 0) s_bias[pair] = z;
+      }
+      VQ_BARRIER();
+      const int b = tid / G, u = tid % G, blk = tile * BPT + b;
+      valid = blk < n_blocks;
+      VQ_UNROLL
+      for (int g = 0; g < GQ; ++g) sc[g] = valid ? s_bias[b * GQ + g] : NEG;
+      if (valid) {
+        const VQ_GLOBAL uint32_t* w = key_codes + (krow * kstride + blk) * KW;
+        VQ_UNROLL_BY(4)
+        for (int c = 0; c < D; ++c) {
+          const float code = (float)vq_kivi_code(w, (uint)((c * G + u) * KB), KB);
+          VQ_UNROLL
+          for (int g = 0; g < GQ; ++g) sc[g] += s_qs[(b * GQ + g) * D + c] * code;
+        }
+      }
+    } else {
+      const int t = tile * TILE + tid;
+      valid = t < n_exact;
+      VQ_UNROLL
+      for (int g = 0; g < GQ; ++g) sc[g] = valid ? 0.0f : NEG;
+      if (valid) {
+        for (int c = 0; c < D; ++c) {
+          const float k = VQ_EXACT_AT(sink_k, win_k, new_k, t, c);
+          VQ_UNROLL
+          for (int g = 0; g < GQ; ++g) sc[g] += s_q[g * D + c] * k;
+        }
+      }
+    }
+    VQ_UNROLL
+    for (int g = 0; g < GQ; ++g) s_p[g * TILE + tid] = sc[g];
+    VQ_BARRIER();
+
+    // 2. online softmax, one SIMD group per query
+    for (int g = (int)vq_warp; g < GQ; g += NW) {
+      float mt = NEG;
+      for (int i = (int)vq_lane; i < TILE; i += 32) mt = VQ_FMAX(mt, s_p[g * TILE + i]);
+      mt = vq_simd_max(mt);
+      const float m_old = s_m[g];
+      const float m_new = VQ_FMAX(m_old, mt);
+      float sum = 0.0f;
+      for (int i = (int)vq_lane; i < TILE; i += 32) {
+        const float s = s_p[g * TILE + i];
+        const float p = s > 0.5f * NEG ? vq_exp2(s - m_new) : 0.0f;
+        s_p[g * TILE + i] = p;
+        sum += p;
+      }
+      sum = vq_simd_sum(sum);
+      if (vq_lane == 0) {
+        const float corr = vq_exp2(m_old - m_new);
+        s_l[g] = s_l[g] * corr + sum;
+        s_m[g] = m_new;
+        s_corr[g] = corr;
+      }
+    }
+    VQ_BARRIER();
+
+    // 3. values: this thread's channels, over its token lane's tokens
+    VQ_UNROLL
+    for (int g = 0; g < GQ; ++g)
+      VQ_UNROLL
+      for (int j = 0; j < CPT; ++j) acc[g][j] *= s_corr[g];
+    for (int tt = vtl; tt < TILE; tt += TL) {
+      float v[CPT];
+      if (exact) {
+        const int t = tile * TILE + tt;
+        if (t >= n_exact) break;
+        VQ_UNROLL
+        for (int j = 0; j < CPT; ++j) v[j] = VQ_EXACT_AT(sink_v, win_v, new_v, t, vc0 + j * TILE);
+      } else {
+        const int tok = tile * TILE + tt;
+        if (tok >= n_blocks * G) break;
+        const int row = vrow * vstride + tok;
+        const VQ_GLOBAL uint32_t* w = value_codes + row * VW;
+        VQ_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+          const int c = vc0 + j * TILE;
+          const float s = static_cast<float>(value_scale[row * (D / G) + c / G]);
+          const float z = static_cast<float>(value_zero[row * (D / G) + c / G]);
+          v[j] = (float)vq_kivi_code(w, (uint)(c * VB), VB) * s + z;
+        }
+      }
+      VQ_UNROLL
+      for (int g = 0; g < GQ; ++g) {
+        const float p = s_p[g * TILE + tt];
+        VQ_UNROLL
+        for (int j = 0; j < CPT; ++j) acc[g][j] += p * v[j];
+      }
+    }
+    VQ_BARRIER();
+  }
+
+  // the token lanes' sums (s_qs is free now: TL <= BPT since G divides D)
+  const int n_part = n_splits + 1;
+  if (TL > 1) {
+    VQ_UNROLL
+    for (int g = 0; g < GQ; ++g) s_qs[(vtl * GQ + g) * D + vc0] = acc[g][0];
+    VQ_BARRIER();
+    if (vtl == 0) {
+      VQ_UNROLL
+      for (int g = 0; g < GQ; ++g)
+        for (int k = 1; k < TL; ++k) acc[g][0] += s_qs[(k * GQ + g) * D + vc0];
+    }
+  }
+  if (vtl == 0) {
+    VQ_UNROLL
+    for (int g = 0; g < GQ; ++g) {
+      const int part = (ci * GQ + g) * n_part + split;
+      VQ_UNROLL
+      for (int j = 0; j < CPT; ++j) part_o[part * D + vc0 + j * TILE] = acc[g][j];
+      if (tid == 0) {
+        part_m[part] = s_m[g];
+        part_l[part] = s_l[g];
+      }
+    }
+  }
+"""
+)
+
+PARTIAL_INPUTS = (
+    "queries",
+    "heads",
+    "key_codes",
+    "key_scale",
+    "key_zero",
+    "value_codes",
+    "value_scale",
+    "value_zero",
+    "sink_k",
+    "sink_v",
+    "win_k",
+    "win_v",
+    "new_k",
+    "new_v",
+    "iparams",
+    "fparams",
+)
+
+_COMBINE_BODY = """
+  const int r = (int)vq_gx;
+  const int n_part = iparams[2] + 1;
+  const int tid = (int)vq_tid;
+  constexpr int NW = TILE / 32;
+  VQ_SHARED float s_red[NW];
+  float m = NEG;
+  for (int s = tid; s < n_part; s += TILE) m = VQ_FMAX(m, part_m[r * n_part + s]);
+  m = vq_simd_max(m);
+  if (vq_lane == 0) s_red[vq_warp] = m;
+  VQ_BARRIER();
+  float big = s_red[0];
+  for (int w = 1; w < NW; ++w) big = VQ_FMAX(big, s_red[w]);
+  float l = 0.0f;
+  for (int s = tid; s < n_part; s += TILE)
+    l += vq_exp2(part_m[r * n_part + s] - big) * part_l[r * n_part + s];
+  l = vq_simd_sum(l);
+  VQ_BARRIER();
+  if (vq_lane == 0) s_red[vq_warp] = l;
+  VQ_BARRIER();
+  float total = 0.0f;
+  for (int w = 0; w < NW; ++w) total += s_red[w];
+  // row r is query g of the partial launch's head r / GQ: query head kvh·GQ + g
+  const int qh = heads[4 * (r / GQ)] * GQ + r % GQ;
+  for (int c = tid; c < D; c += TILE) {
+    float o = 0.0f;
+    for (int s = 0; s < n_part; ++s)
+      o += vq_exp2(part_m[r * n_part + s] - big) * part_o[(r * n_part + s) * D + c];
+    out[qh * D + c] = static_cast<OUT_T>(o / total);
+  }
+"""
+
+COMBINE_INPUTS = ("part_m", "part_l", "part_o", "heads", "iparams")
+
+
+@functools.lru_cache(maxsize=64)
+def partial_kernel_source(lay: Layout) -> KernelSource:
+    constants = {
+        "TILE": TILE,
+        "NEG": NEG,
+        "D": lay.head_dim,
+        "G": lay.group_size,
+        "GQ": lay.queries_per_kv,
+        "KB": lay.key_bits,
+        "VB": lay.value_bits,
+        "KW": lay.key_words,
+        "VW": lay.value_words,
+    }
+    return KernelSource(
+        name="vq_kivi_attn_partial",
+        inputs=PARTIAL_INPUTS,
+        outputs=("part_m", "part_l", "part_o"),
+        body=_PARTIAL_BODY,
+        constants=constants,
+        threads=TILE,
+        helpers=_HELPERS,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def combine_kernel_source(head_dim: int, queries_per_kv: int, out_dtype: mx.Dtype) -> KernelSource:
+    constants = {
+        "TILE": TILE,
+        "NEG": NEG,
+        "D": head_dim,
+        "GQ": queries_per_kv,
+        "OUT_T": out_dtype,
+    }
+    return KernelSource(
+        name="vq_kivi_attn_combine",
+        inputs=COMBINE_INPUTS,
+        outputs=("out",),
+        body=_COMBINE_BODY,
+        constants=constants,
+        threads=TILE,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching them
+
+
+def split_tiles(n_blocks: int, group_size: int, n_kv_heads: int, target: int | None = None) -> int:
+    """Tiles of the store per split: enough splits for about `target` threadgroups (default
+    TARGET_GROUPS, read at call time so a benchmark can sweep it)."""
+    target = TARGET_GROUPS if target is None else target
+    n_tiles = -(-n_blocks * group_size // TILE)
+    if n_tiles == 0:
+        return 1
+    splits = max(1, min(n_tiles, -(-target // n_kv_heads)))
+    return -(-n_tiles // splits)
+
+
+def _int_params(values: tuple[int, ...]) -> mx.array:
+    return _int_params_of(tuple(values))
+
+
+@functools.lru_cache(maxsize=16)
+def _int_params_of(values: tuple[int, ...]) -> mx.array:
+    return mx.array(list(values) + [0] * (PARAMS - len(values)), mx.int32)
+
+
+@functools.lru_cache(maxsize=16)
+def _float_params(value: float) -> mx.array:
+    return mx.array([value] + [0.0] * 7, mx.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def _dummy(dtype: mx.Dtype) -> mx.array:
+    return mx.zeros((8,), dtype)
+
+
+def head_table(cache: Any, lay: Layout) -> mx.array:
+    """int32 [max(4·n, 8)]: for each of the n KV heads with this layout's bits, (the head, its
+    row in the key store's bucket, its row in the value store's bucket, 0)."""
+    key = ("heads", lay.key_bits, lay.value_bits)
+    memo = cache.__dict__.setdefault("_kernel_memo", {})
+    if key not in memo:
+        rows = []
+        key_heads = dict(cache.buckets["key"])[lay.key_bits].tolist()
+        value_heads = dict(cache.buckets["value"])[lay.value_bits].tolist()
+        for h, (kb, vb) in enumerate(cache.head_bits.tolist()):
+            if (kb, vb) == (lay.key_bits, lay.value_bits):
+                rows += [h, key_heads.index(h), value_heads.index(h), 0]
+        rows += [0] * max(0, 8 - len(rows))
+        memo[key] = mx.array(rows, mx.int32)
+    return memo[key]
+
+
+def attention_inputs(
+    cache: Any,
+    queries: mx.array,
+    scale: float,
+    pending: dict,
+    lay: Layout,
+    n_splits: int,
+    tiles_per_split: int,
+) -> list[mx.array]:
+    """The partial kernel's inputs for one layout (B = 1, one query per head)."""
+    n_q = queries.shape[1]
+    n_blocks = pending["n_quantized"] // cache.group_size
+    keys = pending["store"]["key"].get(lay.key_bits) if n_blocks else None
+    values = pending["store"]["value"].get(lay.value_bits) if n_blocks else None
+    sinks = pending["sinks"] or (cache.sink_keys, cache.sink_values)
+    win = pending["win"]
+    new_k, new_v = pending["new"]
+    n_sink = 0 if sinks[0] is None else int(sinks[0].shape[2])
+    n_win = 0 if win is None else int(win[0].shape[2])
+    n_new = int(new_k.shape[2])
+    exact = []
+    for pair, n in ((sinks, n_sink), (win, n_win), ((new_k, new_v), n_new)):
+        if n == 0:
+            exact += [_dummy(mx.float16), _dummy(mx.float16)]
+        else:
+            exact += [pair[0], pair[1]]
+    if keys is None:
+        store = [_dummy(mx.uint32), _dummy(mx.float16), _dummy(mx.float16)] * 2
+        kstride = vstride = 0
+    else:
+        store = [keys["codes"], keys["scale"], keys["zero"]]
+        store += [values["codes"], values["scale"], values["zero"]]
+        kstride, vstride = int(keys["codes"].shape[2]), int(values["codes"].shape[2])
+    iparams = (n_blocks, tiles_per_split, n_splits, n_sink, n_win, n_new, kstride, vstride)
+    return [
+        queries.reshape(n_q, -1),
+        head_table(cache, lay),
+        *store,
+        *exact,
+        _int_params(iparams),
+        _float_params(scale * math.log2(math.e)),
+    ]
+
+
+def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict) -> mx.array:
+    """Attention of one query per head [1, H_q, 1, D] over the cache at `pending` (the state a
+    fused update left), in the kernels: a partial launch per layout, then the combine."""
+    n_kv, d = cache.head_bits.shape[0], cache.head_dim
+    n_q = queries.shape[1]
+    gq = n_q // n_kv
+    n_blocks = pending["n_quantized"] // cache.group_size
+    per = split_tiles(n_blocks, cache.group_size, n_kv)
+    n_tiles = -(-n_blocks * cache.group_size // TILE)
+    n_splits = -(-n_tiles // per)
+    parts, tables = [], []
+    for lay in layouts(cache, n_q):
+        inputs = attention_inputs(cache, queries, scale, pending, lay, n_splits, per)
+        n_heads = int(np.sum(np.all(cache.head_bits == (lay.key_bits, lay.value_bits), axis=1)))
+        rows = n_heads * gq
+        parts.append(
+            launch(
+                partial_kernel_source(lay),
+                inputs,
+                (n_splits + 1, n_heads, 1),
+                [(rows, n_splits + 1), (rows, n_splits + 1), (rows, n_splits + 1, d)],
+                [mx.float32] * 3,
+            )
+        )
+        tables.append((inputs[1], n_heads))
+    if len(parts) == 1:
+        (m, sums, o), heads = parts[0], tables[0][0]
+    else:
+        # the combine reads the head table of every partial row, layout after layout
+        m, sums, o = (mx.concatenate([p[i] for p in parts], axis=0) for i in range(3))
+        heads = mx.concatenate([t[: 4 * n] for t, n in tables])
+    (out,) = launch(
+        combine_kernel_source(d, gq, queries.dtype),
+        [m, sums, o, heads, _int_params((n_blocks, per, n_splits))],
+        (n_q, 1, 1),
+        [(n_q, d)],
+        [queries.dtype],
+    )
+    return out.reshape(1, n_q, 1, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure-MLX twin
+
+
+def reference_attention(
+    cache: Any, queries: mx.array, scale: float, mask: Any, pending: dict
+) -> mx.array:
+    """Attention of queries [B, H_q, N, D] over the sinks, the store's first n_quantized tokens
+    (the snapshot in `pending`) and the pending exact tokens, under an online softmax over
+    pieces of the store, so no more than a piece is ever dequantized. Float32 math."""
+    b, n_q, n, d = queries.shape
+    h = cache.head_bits.shape[0]
+    g = n_q // h
+    f32 = mx.float32
+    n_quant = int(pending["n_quantized"])
+    sink_k, sink_v = pending["sinks"] or (cache.sink_keys, cache.sink_values)
+    fp_k = [] if sink_k is None else [sink_k]
+    fp_v = [] if sink_v is None else [sink_v]
+    n_sink = 0 if sink_k is None else int(sink_k.shape[2])
+    if pending["win"] is not None:
+        fp_k.append(pending["win"][0])
+        fp_v.append(pending["win"][1])
+    fp_k.append(pending["new"][0])
+    fp_v.append(pending["new"][1])
+    fk = mx.concatenate([x.astype(f32) for x in fp_k], axis=2)
+    fv = mx.concatenate([x.astype(f32) for x in fp_v], axis=2)
+    total = n_quant + int(fk.shape[2])
+    q = (queries.astype(f32) * scale).reshape(b, h, g * n, d)
+
+    def rows(x: mx.array) -> mx.array:  # [B, H, G·N, L] → mask-compatible [B, H, G, N, L]
+        return x.reshape(b, h, g, n, x.shape[-1])
+
+    m_run = mx.full((b, h, g, n, 1), -mx.inf, f32)
+    l_run = mx.zeros((b, h, g, n, 1), f32)
+    o_run = mx.zeros((b, h, g, n, d), f32)
+
+    def attend(keys: mx.array, values: mx.array, cols: mx.array | None) -> None:
+        nonlocal m_run, l_run, o_run
+        s = attention.apply_mask(rows(q @ keys.swapaxes(-1, -2)), cols)
+        m_new = mx.maximum(m_run, s.max(axis=-1, keepdims=True))
+        alpha = mx.exp(m_run - m_new)
+        p = mx.exp(s - m_new)
+        pv = (p.reshape(b, h, g * n, -1) @ values).reshape(b, h, g, n, d)
+        o_run = o_run * alpha + pv
+        l_run = l_run * alpha + p.sum(axis=-1, keepdims=True)
+        m_run = m_new
+
+    gs = cache.group_size
+    piece = max(gs, min(PIECE_TOKENS, PIECE_ELEMENTS // max(1, b * n_q * n)) // gs * gs)
+    store = pending["store"]
+    for a in range(0, n_quant, piece):
+        e = min(n_quant, a + piece)
+        keys = cache._dequantize("key", store, a // gs, e // gs)
+        values = cache._dequantize("value", store, a // gs, e // gs)
+        attend(keys, values, attention.mask_columns(mask, n, total, n_sink + a, e - a))
+        if n > 1:  # prefill: keep one piece's intermediates alive at a time
+            mx.eval(m_run, l_run, o_run)
+
+    # the exact tokens: sinks, then the pending window and call tokens, in position order
+    fp_cols = [(0, n_sink)] if n_sink else []
+    fp_cols.append((n_sink + n_quant, int(fk.shape[2]) - n_sink))
+    masks = [attention.mask_columns(mask, n, total, st, ln) for st, ln in fp_cols]
+    attend(fk, fv, None if masks[0] is None else mx.concatenate(masks, axis=-1))
+    out = o_run / l_run
+    return out.reshape(b, n_q, n, d).astype(queries.dtype)
