@@ -3,7 +3,8 @@ GPU: the source text of its `build_kernel` (our header and body as `compiled` ha
 #include lines included), NVRTC with MLX's options and its name expression of the kernel
 (which the launch-bounds macro must not break), SASS for sm_90a; then the registers, stack and
 threadgroup memory of the binary. For the 8B layer shape and default layout, with the coded
-tokens on the CUDA cores and on the tensor cores (`kernels.MMA`).
+tokens on the CUDA cores and on the tensor cores (`kernels.MMA`); then KIVI's partial kernel
+(8B shape, G 64, 2/2, 4/2 and 3/5 key/value bits) and its combine (bfloat16 output).
 
     pip install "nvidia-cuda-nvrtc==13.*"          # libnvrtc, as the MLX CUDA wheel uses
     git clone --depth 1 https://github.com/ml-explore/mlx /tmp/mlx   # MLX's device headers
@@ -24,10 +25,12 @@ import tempfile
 from pathlib import Path
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
 
 import veloxquant.kernels as vk
 from bench_kernels import decode_inputs
 from kernel_code_size import D, G, H, _tool
+from veloxquant.methods.kivi import kernels as KIVI
 from veloxquant.methods.vecinfer import kernels as K
 
 # MLX 0.32's custom_kernel.cpp (build_kernel) and jit_module.cpp (compile)
@@ -124,6 +127,22 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 usage = compile_like_mlx(nvrtc, text, name, includes, Path(tmp))
             print(f"MMA {mma}, source files {files}: {usage}")
+    for kb, vb in ((2, 2), (4, 2), (3, 5)):
+        lay = KIVI.Layout(D, 64, kb, vb, G)
+        ins = ["bfloat16", "int32", "uint32", "float16", "float16", "uint32", "float16"]
+        ins += ["float16"] * 5 + ["bfloat16", "bfloat16", "int32", "float32"]
+        usage = compile_kivi(nvrtc, KIVI.partial_kernel_source(lay), ins, ["float32"] * 3, includes)
+        print(f"KIVI partial {lay}: {usage}")
+    src = KIVI.combine_kernel_source(D, G, mx.bfloat16)
+    ins = ["float32", "float32", "float32", "int32", "int32"]
+    print(f"KIVI combine: {compile_kivi(nvrtc, src, ins, ['bfloat16'], includes)}")
+
+
+def compile_kivi(nvrtc, src: vk.KernelSource, ins: list, outs: list, includes: list) -> str:
+    name = vk.compiled_name(src, tuple(ins))
+    text = mlx_source_text(src, name, ins, outs)
+    with tempfile.TemporaryDirectory() as tmp:
+        return compile_like_mlx(nvrtc, text, name, includes, Path(tmp))
 
 
 if __name__ == "__main__":
