@@ -5,6 +5,7 @@ allow on an H200, and the instructions in the span of every loop (a backward bra
 the kinds that tell the loops apart.
 
     python benchmarks/kernel_loops.py
+    python benchmarks/kernel_loops.py --kivi   # KIVI's partial kernel (8B shape, G 64, 2/2 bits)
 
 A loop's instructions run once per trip, so the tile loop's cost per tile is its own
 instructions plus each inner loop's times its trips (the trips are the layout's: see
@@ -13,6 +14,7 @@ benchmarks/results/mma-tiles-cpu.md). Needs nvcc and cuobjdump, as kernel_code_s
 
 from __future__ import annotations
 
+import argparse
 import re
 import tempfile
 from pathlib import Path
@@ -22,6 +24,7 @@ import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 from bench_kernels import decode_inputs
 from kernel_code_size import D, G, H, compile_and_read
 from veloxquant.kernels import dtype_name
+from veloxquant.methods.kivi import kernels as KIVI
 from veloxquant.methods.vecinfer import kernels as K
 
 REGISTERS_PER_SM, SMEM_PER_SM, THREADS_PER_SM = 65536, 233472, 2048  # H200 (sm_90)
@@ -79,8 +82,31 @@ def report(mma: bool, work: Path) -> None:
             print(f"    {start:#07x}-{end:#07x}: {n:5d}  {kinds}")
 
 
+def report_kivi(work: Path, key_bits: int, value_bits: int) -> None:
+    """KIVI's partial kernel: every loop (the score loop walks 4 channels a trip, the value loop
+    16 tokens, with remainder loops after them)."""
+    lay = KIVI.Layout(D, 64, key_bits, value_bits, G)
+    ins = ["bfloat16", "int32", "uint32", "float16", "float16", "uint32", "float16"]
+    ins += ["float16"] * 5 + ["bfloat16", "bfloat16", "int32", "float32"]
+    tu = KIVI.partial_kernel_source(lay).cuda_translation_unit(ins, ["float32"] * 3)
+    used, sass = compile_and_read(tu, work, f"kivi{key_bits}{value_bits}")
+    print(f"KIVI partial, {lay}")
+    print(f"  {used}")
+    print("  loops: all, then FFMA HMMA LDS LDG MUFU SHFL BAR")
+    for start, end, ops in loops(sass):
+        kinds = " ".join(f"{ops.get(k, 0):4d}" for k in SHOWN)
+        print(f"    {start:#07x}-{end:#07x}: {sum(ops.values()):5d}  {kinds}")
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--kivi", action="store_true", help="KIVI's partial kernel instead")
+    args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.kivi:
+            for kb, vb in ((2, 2), (4, 2), (3, 5)):
+                report_kivi(Path(tmp), kb, vb)
+            return
         for mma in (False, True):
             report(mma, Path(tmp))
 

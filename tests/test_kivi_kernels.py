@@ -207,8 +207,10 @@ LAYOUTS = {
     "d64-g32-mixed-q3": dict(head_bits=[[2, 4], [3, 1], [2, 4]], d=64, group_size=32, gq=3),
     # an 8B-like head: D 128, G 64, 4 query heads per KV head, 4/2 bits
     "d128-g64-k4v2-q4": dict(head_bits=[[4, 2]] * 2, d=128, group_size=64, gq=4),
-    # D 256 (two channels per thread), G 16 (eight key blocks per tile), 5/7/6/3 bits
-    "d256-g16-k5v7-q2": dict(head_bits=[[5, 7], [6, 3]], d=256, group_size=16, gq=2),
+    # D 256 (two channels per thread), 5/7/6/3 bits
+    "d256-g32-k5v7-q2": dict(head_bits=[[5, 7], [6, 3]], d=256, group_size=32, gq=2),
+    # G 16: eight key blocks per tile, a block row of 48 bits per channel at 3 bits
+    "d128-g16-k3v6-q2": dict(head_bits=[[3, 6]], d=128, group_size=16, gq=2),
     # D 32 (four token lanes in the value phase), one query per head, 8 bits
     "d32-g32-k8v8-q1": dict(head_bits=[[8, 8]], d=32, group_size=32, gq=1),
     # 8 query heads per KV head (the most the kernel takes)
@@ -217,10 +219,14 @@ LAYOUTS = {
 
 
 def _decode_case(rng, head_bits, d, group_size, gq, n_tok, window=32, sinks=4):
-    """A fused cache after n_tok tokens and one decode update (pending), and a query."""
+    """A fused cache after n_tok tokens and one decode update (pending), and a query. The
+    keys grow along the sequence, so a split's running maximum rises from tile to tile and
+    its sums are rescaled (a split's tiles walk the sequence in order)."""
     h = len(head_bits)
     _, c = _pair(head_bits, group_size, window, sinks)
-    _feed([c], _keys(rng, h, n_tok, d), rng.normal(size=(1, h, n_tok, d)).astype(np.float32), 97)
+    ramp = np.linspace(0.5, 2.5, n_tok, dtype=np.float32)[:, None]
+    keys = _keys(rng, h, n_tok, d) * ramp
+    _feed([c], keys, rng.normal(size=(1, h, n_tok, d)).astype(np.float32), 97)
     k = mx.array(_keys(rng, h, 1, d))
     c.update_and_fetch(k, mx.array(rng.normal(size=(1, h, 1, d)).astype(np.float32)))
     q = mx.array(rng.normal(size=(1, h * gq, 1, d)).astype(np.float32) * 2)
@@ -240,8 +246,11 @@ def test_emulated_kernels_match_the_twin(layout, backend, monkeypatch):
     run = _emulated(backend)
     monkeypatch.setattr(K, "backend", lambda: backend)
     monkeypatch.setattr(K, "launch", lambda src, *a: launched.append(src.name) or run(src, *a))
-    # 5 splits of the store's tiles, the last one short, plus the exact split
-    monkeypatch.setattr(K, "TARGET_GROUPS", 5 * len(spec["head_bits"]))
+    # 2 splits of the store's 4-5 tiles (2-3 tiles each, the last tile short), plus the
+    # exact split
+    monkeypatch.setattr(K, "TARGET_GROUPS", 2 * len(spec["head_bits"]))
+    n_blocks = c.n_quantized // c.group_size
+    assert K.split_tiles(n_blocks, c.group_size, len(spec["head_bits"])) >= 2
     assert K.kernels_take(c, q.shape[1])
     got = np.array(K.decode_attention(c, q, 0.125, pending))
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
@@ -299,8 +308,9 @@ def test_layouts_the_kernels_do_not_take_are_named(monkeypatch):
     )
     assert "head_dim 96" in K.unsupported(K.Layout(96, 32, 2, 2, 1))
     assert "12 query heads" in K.unsupported(K.Layout(64, 32, 2, 2, 12))
-    # D 256 with G 8: 16 key blocks per tile of query scales is over Metal's 32 KB
-    big = K.Layout(256, 8, 2, 2, 2)
+    assert "zero-point sums" in K.unsupported(K.Layout(128, 16, 2, 2, 8))
+    # D 256 with G 16: 8 key blocks per tile of query scales is over Metal's 32 KB
+    big = K.Layout(256, 16, 2, 2, 2)
     assert K.unsupported(big, "cuda") is None and "bytes" in K.unsupported(big, "metal")
     c = KIVICache(np.array([[2, 2]]), group_size=48, window=0, sinks=0)
     c.fused = True

@@ -40,6 +40,7 @@ from veloxquant.kernels import KernelSource, backend, launch
 TILE = 128  # tokens per tile, and threads per threadgroup
 NEG = -1.0e30  # finite "minus infinity" (no inf arithmetic in kernels)
 MAX_QUERIES_PER_KV = 8
+MAX_ZERO_SUMS = 32  # registers a thread keeps for Σ p·z (query heads x value groups)
 THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 # threadgroups to aim for over the store: about eight per multiprocessor of an H200 (a
 # threadgroup is 4 SIMD groups, and a multiprocessor holds 7+ of them at the partial kernel's
@@ -75,9 +76,11 @@ class Layout:
 
 def threadgroup_bytes(lay: Layout) -> int:
     """Threadgroup memory of the partial kernel: the scaled queries, the per-block query
-    scales and biases, the tile's scores and the softmax state."""
+    scales and biases, the tile's scores, its tokens' value-scale weights and the softmax
+    state."""
     d, gq, blocks = lay.head_dim, lay.queries_per_kv, TILE // lay.group_size
-    floats = gq * d + blocks * gq * d + blocks * gq + gq * TILE + 3 * gq
+    groups = d // lay.group_size
+    floats = gq * d + blocks * gq * d + blocks * gq + gq * TILE + TILE * groups * gq + 3 * gq
     return 4 * floats
 
 
@@ -90,6 +93,11 @@ def unsupported(lay: Layout, which: str = "cuda") -> str | None:
         return f"head_dim {d}: the kernels take divisors or multiples of {TILE}"
     if lay.queries_per_kv > MAX_QUERIES_PER_KV:
         return f"{lay.queries_per_kv} query heads per KV head (at most {MAX_QUERIES_PER_KV})"
+    if lay.queries_per_kv * d // g > MAX_ZERO_SUMS:
+        return (
+            f"{lay.queries_per_kv} query heads x {d // g} value groups: more than "
+            f"{MAX_ZERO_SUMS} zero-point sums per thread"
+        )
     if threadgroup_bytes(lay) > THREADGROUP_LIMIT[which]:
         limit = THREADGROUP_LIMIT[which]
         return f"{threadgroup_bytes(lay)} bytes of threadgroup memory (at most {limit})"
@@ -118,12 +126,16 @@ def kernels_take(cache: Any, n_q_heads: int) -> bool:
 _HELPERS = r"""
 #ifndef VQ_KIVI_HELPERS
 #define VQ_KIVI_HELPERS
-// The `bits`-bit code at bit offset `off` of a little-endian bit stream of 32-bit words.
-VQ_FN uint vq_kivi_code(const VQ_GLOBAL uint32_t* w, uint off, uint bits) {
-  const uint i = off >> 5, sh = off & 31u;
-  uint x = w[i] >> sh;
-  if (sh + bits > 32u) x |= w[i + 1] << (32u - sh);
+// The `bits`-bit code at bit offset `off` of a little-endian bit stream of 32-bit words
+// (`bits` a compile-time constant at every call: widths dividing 32 never cross a word, and
+// the test folds away).
+VQ_FN uint vq_kivi_bits(const VQ_GLOBAL uint32_t* w, uint sh, uint bits) {
+  uint x = w[0] >> sh;
+  if (32u % bits != 0u && sh + bits > 32u) x |= w[1] << (32u - sh);
   return x & ((1u << bits) - 1u);
+}
+VQ_FN uint vq_kivi_code(const VQ_GLOBAL uint32_t* w, uint off, uint bits) {
+  return vq_kivi_bits(w + (off >> 5), off & 31u, bits);
 }
 #endif
 """
@@ -152,10 +164,12 @@ _PARTIAL_BODY = (
   constexpr int BPT = TILE / G;  // key blocks per tile
   constexpr int TL = D < TILE ? TILE / D : 1;  // token lanes of the value phase
   constexpr int CPT = D > TILE ? D / TILE : 1;  // channels per thread of the value phase
+  constexpr int NG = D / G;  // value groups per token
   VQ_SHARED float s_q[GQ * D];
   VQ_SHARED float s_qs[BPT * GQ * D];
   VQ_SHARED float s_bias[BPT * GQ];
   VQ_SHARED float s_p[GQ * TILE];
+  VQ_SHARED float s_pw[TILE * NG * GQ];
   VQ_SHARED float s_m[GQ];
   VQ_SHARED float s_l[GQ];
   VQ_SHARED float s_corr[GQ];
@@ -167,10 +181,14 @@ _PARTIAL_BODY = (
     s_l[tid] = 0.0f;
   }
   float acc[GQ][CPT];
+  float zacc[GQ][NG];  // Σ p·z of this thread's token lane (coded tiles)
   VQ_UNROLL
-  for (int g = 0; g < GQ; ++g)
+  for (int g = 0; g < GQ; ++g) {
     VQ_UNROLL
     for (int j = 0; j < CPT; ++j) acc[g][j] = 0.0f;
+    VQ_UNROLL
+    for (int grp = 0; grp < NG; ++grp) zacc[g][grp] = 0.0f;
+  }
   const int vc0 = D < TILE ? tid % D : tid;  // this thread's first value channel
   const int vtl = D < TILE ? tid / D : 0;  // its token lane
   const int n_exact = n_sink + n_win + n_new;
@@ -206,12 +224,26 @@ _PARTIAL_BODY = (
       VQ_UNROLL
       for (int g = 0; g < GQ; ++g) sc[g] = valid ? s_bias[b * GQ + g] : NEG;
       if (valid) {
+        // channel c's codes are G·KB bits from the block row's bit c·G·KB on: when that is
+        // whole words, this token's code of every channel sits at the same shift, one word
+        // stride apart
         const VQ_GLOBAL uint32_t* w = key_codes + (krow * kstride + blk) * KW;
-        VQ_UNROLL_BY(4)
-        for (int c = 0; c < D; ++c) {
-          const float code = (float)vq_kivi_code(w, (uint)((c * G + u) * KB), KB);
-          VQ_UNROLL
-          for (int g = 0; g < GQ; ++g) sc[g] += s_qs[(b * GQ + g) * D + c] * code;
+        if ((G * KB) % 32 == 0) {
+          const VQ_GLOBAL uint32_t* wu = w + (u * KB >> 5);
+          const uint sh = (uint)(u * KB) & 31u;
+          VQ_UNROLL_BY(4)
+          for (int c = 0; c < D; ++c) {
+            const float code = (float)vq_kivi_bits(wu + c * (G * KB / 32), sh, KB);
+            VQ_UNROLL
+            for (int g = 0; g < GQ; ++g) sc[g] += s_qs[(b * GQ + g) * D + c] * code;
+          }
+        } else {
+          VQ_UNROLL_BY(4)
+          for (int c = 0; c < D; ++c) {
+            const float code = (float)vq_kivi_code(w, (uint)((c * G + u) * KB), KB);
+            VQ_UNROLL
+            for (int g = 0; g < GQ; ++g) sc[g] += s_qs[(b * GQ + g) * D + c] * code;
+          }
         }
       }
     } else {
@@ -255,40 +287,78 @@ _PARTIAL_BODY = (
     }
     VQ_BARRIER();
 
-    // 3. values: this thread's channels, over its token lane's tokens
+    // 3. values. A coded token's value is code·s + z per group of G channels, so the sum
+    // is Σ (p·s)·code + Σ p·z: one thread per token weighs its group scales by p (s_pw) and
+    // keeps the zero-point sums of its token lane (zacc, merged once at the end), and the
+    // channel loop is one multiply-add per code and query.
+    if (!exact) {
+      const int tok = tile * TILE + tid;
+      const bool live = tok < n_blocks * G;
+      const int row = vrow * vstride + tok;
+      VQ_UNROLL
+      for (int grp = 0; grp < NG; ++grp) {
+        const float s = live ? static_cast<float>(value_scale[row * NG + grp]) : 0.0f;
+        const float z = live ? static_cast<float>(value_zero[row * NG + grp]) : 0.0f;
+        VQ_UNROLL
+        for (int g = 0; g < GQ; ++g) {
+          const float p = s_p[g * TILE + tid];
+          s_pw[(tid * NG + grp) * GQ + g] = p * s;
+          zacc[g][grp] = zacc[g][grp] * s_corr[g] + p * z;
+        }
+      }
+      VQ_BARRIER();
+    }
     VQ_UNROLL
     for (int g = 0; g < GQ; ++g)
       VQ_UNROLL
       for (int j = 0; j < CPT; ++j) acc[g][j] *= s_corr[g];
-    for (int tt = vtl; tt < TILE; tt += TL) {
-      float v[CPT];
-      if (exact) {
+    if (exact) {
+      for (int tt = vtl; tt < TILE; tt += TL) {
         const int t = tile * TILE + tt;
         if (t >= n_exact) break;
         VQ_UNROLL
-        for (int j = 0; j < CPT; ++j) v[j] = VQ_EXACT_AT(sink_v, win_v, new_v, t, vc0 + j * TILE);
-      } else {
-        const int tok = tile * TILE + tt;
-        if (tok >= n_blocks * G) break;
-        const int row = vrow * vstride + tok;
-        const VQ_GLOBAL uint32_t* w = value_codes + row * VW;
-        VQ_UNROLL
         for (int j = 0; j < CPT; ++j) {
-          const int c = vc0 + j * TILE;
-          const float s = static_cast<float>(value_scale[row * (D / G) + c / G]);
-          const float z = static_cast<float>(value_zero[row * (D / G) + c / G]);
-          v[j] = (float)vq_kivi_code(w, (uint)(c * VB), VB) * s + z;
+          const float v = VQ_EXACT_AT(sink_v, win_v, new_v, t, vc0 + j * TILE);
+          VQ_UNROLL
+          for (int g = 0; g < GQ; ++g) acc[g][j] += s_p[g * TILE + tt] * v;
         }
       }
-      VQ_UNROLL
-      for (int g = 0; g < GQ; ++g) {
-        const float p = s_p[g * TILE + tt];
+    } else {
+      const int n_tile = min(TILE, n_blocks * G - tile * TILE);
+      const VQ_GLOBAL uint32_t* w = value_codes + (vrow * vstride + tile * TILE) * VW;
+      for (int tt = vtl; tt < n_tile; tt += TL) {
         VQ_UNROLL
-        for (int j = 0; j < CPT; ++j) acc[g][j] += p * v[j];
+        for (int j = 0; j < CPT; ++j) {
+          const int c = vc0 + j * TILE;  // the same bits of every token's row
+          const float code = (float)vq_kivi_code(w + tt * VW, (uint)(c * VB), VB);
+          VQ_UNROLL
+          for (int g = 0; g < GQ; ++g) acc[g][j] += s_pw[(tt * NG + c / G) * GQ + g] * code;
+        }
       }
     }
     VQ_BARRIER();
   }
+
+  // the zero-point sums of every token lane, per (query, group), into the channels' sums
+  // (s_pw is free now)
+  VQ_UNROLL
+  for (int g = 0; g < GQ; ++g)
+    VQ_UNROLL
+    for (int grp = 0; grp < NG; ++grp) {
+      const float z = vq_simd_sum(zacc[g][grp]);
+      if (vq_lane == 0) s_pw[(int)vq_warp * GQ * NG + g * NG + grp] = z;
+    }
+  VQ_BARRIER();
+  VQ_UNROLL
+  for (int g = 0; g < GQ; ++g)
+    VQ_UNROLL
+    for (int j = 0; j < CPT; ++j) {
+      const int grp = (vc0 + j * TILE) / G;
+      float z = 0.0f;
+      for (int w = 0; w < NW; ++w) z += s_pw[w * GQ * NG + g * NG + grp];
+      // the token lanes each add their share below: only lane 0 adds the zero points
+      if (vtl == 0) acc[g][j] += z;
+    }
 
   // the token lanes' sums (s_qs is free now: TL <= BPT since G divides D)
   const int n_part = n_splits + 1;
