@@ -41,6 +41,12 @@ Runtime (`KIVICache`, method "kivi"; one cache per layer):
   `benchmarks/bench_ratequant.py check` and `decode`): fused and pure paths agree there once
   1-bit buckets take the pure path; `USE_MX_DEQUANTIZE = False` leaves only elementwise ops
   and reductions (10x slower on that GPU).
+- fused attention (`fused`, set by make_caches through `veloxquant.attention.enable_for`, by
+  VELOXQUANT_FUSED: on a GPU by default): `update_and_fetch` only updates the cache (the same
+  bits stored as on the transient path) and returns its inputs; mlx-lm's attention call is
+  routed to `fused_attention`, which attends straight from the packed codes: the kernels of
+  `kernels.py` for one decode query, their pure-MLX twin (the store dequantized a piece at a
+  time) otherwise. `attention_path` / `last_attention` say which.
 - `nbytes`: packed codes, fp16 scales and zeros, the fp16 window and sinks; nothing else.
   Per stored token and head: D·b/8 bytes of codes plus 4·D/G bytes of scale + zero, i.e.
   b + 32/G bits per element (G = 32: b + 1); `resident_bytes` is the formula.
