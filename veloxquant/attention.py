@@ -110,6 +110,29 @@ def apply_mask(scores: mx.array, mask: mx.array | None) -> mx.array:
     return scores + mask
 
 
+def exact_tokens(cache: Any, pending: dict) -> tuple[mx.array, mx.array, int]:
+    """The tokens a fused cache attends at full precision for the update behind `pending`, in
+    position order: the sinks (the call's own with the stored ones when the call reached them,
+    `pending["sinks"]`, else the stored ones), the window as the call found it
+    (`pending["win"]`, or None) and the call's own tokens (`pending["new"]`). Returns float32
+    keys and values [B, H, n, D] and the number of sinks among them."""
+    sink_k, sink_v = pending.get("sinks") or (cache.sink_keys, cache.sink_values)
+    keys = [] if sink_k is None else [sink_k]
+    values = [] if sink_v is None else [sink_v]
+    n_sink = 0 if sink_k is None else int(sink_k.shape[2])
+    if pending["win"] is not None:
+        keys.append(pending["win"][0])
+        values.append(pending["win"][1])
+    keys.append(pending["new"][0])
+    values.append(pending["new"][1])
+    f32 = mx.float32
+    return (
+        mx.concatenate([x.astype(f32) for x in keys], axis=2),
+        mx.concatenate([x.astype(f32) for x in values], axis=2),
+        n_sink,
+    )
+
+
 def _takes_cpu_softmax(queries: Any, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     if not (
         (mask is None or (isinstance(mask, str) and mask == "causal"))

@@ -635,17 +635,7 @@ def reference_attention(
     g = n_q // h
     f32 = mx.float32
     n_quant = int(pending["n_quantized"])
-    sink_k, sink_v = pending["sinks"] or (cache.sink_keys, cache.sink_values)
-    fp_k = [] if sink_k is None else [sink_k]
-    fp_v = [] if sink_v is None else [sink_v]
-    n_sink = 0 if sink_k is None else int(sink_k.shape[2])
-    if pending["win"] is not None:
-        fp_k.append(pending["win"][0])
-        fp_v.append(pending["win"][1])
-    fp_k.append(pending["new"][0])
-    fp_v.append(pending["new"][1])
-    fk = mx.concatenate([x.astype(f32) for x in fp_k], axis=2)
-    fv = mx.concatenate([x.astype(f32) for x in fp_v], axis=2)
+    fk, fv, n_sink = attention.exact_tokens(cache, pending)
     total = n_quant + int(fk.shape[2])
     q = (queries.astype(f32) * scale).reshape(b, h, g * n, d)
 

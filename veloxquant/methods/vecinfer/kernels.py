@@ -2570,18 +2570,8 @@ def reference_attention(
     h = cache.smooth.shape[0]
     g = n_q // h
     n_coded = int(pending["n_coded"])
-    sink_k, sink_v = pending.get("sinks") or (cache.sink_keys, cache.sink_values)
-    fp_k = [] if sink_k is None else [sink_k]
-    fp_v = [] if sink_v is None else [sink_v]
-    n_sink = 0 if sink_k is None else int(sink_k.shape[2])
-    if pending["win"] is not None:
-        fp_k.append(pending["win"][0])
-        fp_v.append(pending["win"][1])
-    fp_k.append(pending["new"][0])
-    fp_v.append(pending["new"][1])
     f32 = mx.float32
-    fk = mx.concatenate([x.astype(f32) for x in fp_k], axis=2)
-    fv = mx.concatenate([x.astype(f32) for x in fp_v], axis=2)
+    fk, fv, n_sink = attention.exact_tokens(cache, pending)
     total = n_coded + int(fk.shape[2])
 
     # [B, H, G·N, D]: KV head h serves query heads hG .. hG+G-1
