@@ -8,14 +8,16 @@
 #    transient (check_kivi_kernels.py);
 # 2. tokens/s and resident bytes: fp16 against KIVI-2 and a mixed 2/4-bit allocation, each on
 #    the transient and the fused path, 8B shape in bfloat16 (bench_kivi_decode.py).
-# Outputs go to $OUT (default /tmp/out).
-set -u
+# Outputs go to $OUT (default /tmp/out); the exit status is non-zero when either step failed.
+set -u -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/benchmarks"
 echo "== kernels against the twin; generations fused against transient"
-timeout 150 python benchmarks/check_kivi_kernels.py 2>&1 | tee "$OUT/kivi_check.txt"
+rc=0
+timeout 150 python benchmarks/check_kivi_kernels.py 2>&1 | tee "$OUT/kivi_check.txt" || rc=1
 echo "== tokens/s against fp16, 8B shape"
 timeout 420 python benchmarks/bench_kivi_decode.py --dtype bfloat16 \
   --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 16384 65536 131072 \
-  --repeats 3 2>&1 | tee "$OUT/kivi_decode.txt"
+  --repeats 3 2>&1 | tee "$OUT/kivi_decode.txt" || rc=1
+exit $rc

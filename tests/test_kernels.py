@@ -834,6 +834,29 @@ def test_an_unattended_update_still_keeps_every_token(smollm2, bundle, prompt, m
     assert c.compressed_tokens + c.window_keys.shape[2] + c.sink_keys.shape[2] == c.offset == 301
 
 
+def test_twin_survives_a_piece_the_mask_hides_whole(smollm2, bundle, prompt, monkeypatch):
+    # A sliding window hides the oldest coded tokens: with small pieces, the first pieces are
+    # masked whole, and a running maximum starting at -inf gave NaN (exp(-inf - -inf)).
+    from mlx_lm.models.base import create_causal_mask
+
+    model, _ = smollm2
+    caches = _caches(model, _config("calibrated", bundle), True, monkeypatch)
+    _prefill(model, caches, prompt[:, :300])
+    c = caches[3]
+    k = mx.array(np.random.default_rng(0).normal(size=(1, 3, 1, 64)).astype(np.float32))
+    c.update_and_fetch(k, k)
+    pending = c._pending
+    c._pending = None
+    q = mx.array(np.random.default_rng(1).normal(size=(1, 9, 1, 64)).astype(np.float32))
+    mask = create_causal_mask(1, c.offset - 1, window_size=100)
+    whole = np.array(K.reference_attention(c, q, 0.125, mask, pending))
+    monkeypatch.setattr(K, "PIECE_TOKENS", 32)
+    monkeypatch.setattr(K, "TILE", 32)
+    pieces = np.array(K.reference_attention(c, q, 0.125, mask, pending))
+    assert np.isfinite(pieces).all()
+    np.testing.assert_allclose(pieces, whole, atol=1e-5, rtol=0)
+
+
 def test_shallow_copies_do_not_share_writes(smollm2, bundle, prompt, monkeypatch):
     # mlx-lm's prompt cache and BatchedCache.merge copy caches shallowly, and the fused path
     # appends codes and writes the window ring in place: two copies decoding on must not

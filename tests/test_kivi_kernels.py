@@ -14,6 +14,7 @@ tests/test_kernels.py:
 
 from __future__ import annotations
 
+import copy
 import os
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
@@ -36,6 +37,7 @@ def _emulated(backend: str):
     """`veloxquant.kernels.launch` with the emulator (of `backend`'s source) for the GPU."""
 
     def run(source, inputs, grid, output_shapes, output_dtypes):
+        vk.check_inputs(source, inputs)  # as launch() does: every input of >= 8 elements
         mx.eval(inputs)
         arrays = [np.array(x, copy=False) for x in inputs]
         names = [dtype_name(dt) for dt in output_dtypes]
@@ -195,6 +197,13 @@ def test_twin_takes_the_store_in_pieces(monkeypatch):
     pieces = np.array(K.reference_attention(b, q, 0.125, "causal", pending))
     np.testing.assert_allclose(pieces, whole, atol=1e-5, rtol=0)
     assert b.n_quantized // 32 > 4
+    # a sliding window hides the first pieces whole: no NaN from a running maximum at -inf
+    mask = create_causal_mask(5, b.offset - 5, window_size=50)
+    pieces = np.array(K.reference_attention(b, q, 0.125, mask, pending))
+    monkeypatch.setattr(K, "PIECE_TOKENS", 16384)
+    whole = np.array(K.reference_attention(b, q, 0.125, mask, pending))
+    assert np.isfinite(pieces).all()
+    np.testing.assert_allclose(pieces, whole, atol=1e-5, rtol=0)
 
 
 # ------------------------------------------------------------------ 2. emulated kernels
@@ -369,6 +378,22 @@ def test_an_unattended_fused_update_is_a_clear_error_and_keeps_every_token():
         assert mx.array_equal(x, y).item()
     with pytest.raises(RuntimeError, match="no update to attend over"):
         b.fused_attention(mx.zeros((1, 1, 1, 64)), scale=1.0)
+
+
+def test_shallow_copies_do_not_share_flushes():
+    # BatchedCache.merge / extract and mlx-lm's prompt cache copy caches shallowly: a flush in
+    # one copy must not reach the other's store
+    rng = np.random.default_rng(7)
+    a = KIVICache(np.array([[2, 4], [3, 2]]), group_size=32, window=8, sinks=2)
+    k = mx.array(_keys(rng, 2, 50, 64))
+    a.update_and_fetch(k, k)
+    before = [np.array(x) for x in a.resident_arrays()]
+    b = copy.copy(a)
+    b.update_and_fetch(k, k)  # flushes into b's store
+    assert b.n_quantized > a.n_quantized == 32
+    after = [np.array(x) for x in a.resident_arrays()]
+    assert len(after) == len(before)
+    assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
 
 
 def test_make_cache_fuses_by_the_environment(smollm2, monkeypatch):

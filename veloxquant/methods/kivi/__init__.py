@@ -360,6 +360,15 @@ class KIVICache(CompressedCache):
                 None if identity else mx.array(np.argsort(order).astype(np.int32))
             )
 
+    def __copy__(self) -> KIVICache:
+        # A flush rebinds the store's entries in its dicts: a shallow copy (BatchedCache.merge
+        # and extract, mlx-lm's prompt cache) gets dicts of its own, so that neither copy's
+        # flushes reach the other. The arrays themselves are never written in place.
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.store = {stream: dict(buckets) for stream, buckets in self.store.items()}
+        return new
+
     # -- quantized store
 
     def _flush(self, keys: mx.array, values: mx.array) -> None:

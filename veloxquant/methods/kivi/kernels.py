@@ -610,6 +610,10 @@ def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict)
         # the combine reads the head table of every partial row, layout after layout
         m, sums, o = (mx.concatenate([p[i] for p in parts], axis=0) for i in range(3))
         heads = mx.concatenate([t[: 4 * n] for t, n in tables])
+    if m.size < 8:  # launch inputs hold >= 8 elements; the combine reads rows < n_q only
+        pad = -(-8 // m.shape[1]) - m.shape[0]
+        m, sums = (mx.concatenate([x, mx.zeros((pad, x.shape[1]), x.dtype)]) for x in (m, sums))
+        o = mx.concatenate([o, mx.zeros((pad, *o.shape[1:]), o.dtype)])
     (out,) = launch(
         combine_kernel_source(d, gq, queries.dtype),
         [m, sums, o, heads, _int_params((n_blocks, per, n_splits))],
@@ -642,7 +646,9 @@ def reference_attention(
     def rows(x: mx.array) -> mx.array:  # [B, H, G·N, L] → mask-compatible [B, H, G, N, L]
         return x.reshape(b, h, g, n, x.shape[-1])
 
-    m_run = mx.full((b, h, g, n, 1), -mx.inf, f32)
+    # a finite floor: a piece whose every column is masked (a sliding window) leaves it, where
+    # -inf would give exp(-inf - -inf) = NaN
+    m_run = mx.full((b, h, g, n, 1), NEG, f32)
     l_run = mx.zeros((b, h, g, n, 1), f32)
     o_run = mx.zeros((b, h, g, n, d), f32)
 

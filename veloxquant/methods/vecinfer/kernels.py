@@ -2584,7 +2584,9 @@ def reference_attention(
     def rows(x: mx.array) -> mx.array:  # [B, H, G·N, L] → mask-compatible [B, H, G, N, L]
         return x.reshape(b, h, g, n, x.shape[-1])
 
-    m_run = mx.full((b, h, g, n, 1), -mx.inf, f32)
+    # a finite floor: a piece whose every column is masked (a sliding window) leaves it, where
+    # -inf would give exp(-inf - -inf) = NaN
+    m_run = mx.full((b, h, g, n, 1), NEG, f32)
     l_code = mx.zeros((b, h, g, n, 1), f32)
     o_code = mx.zeros((b, h, g, n, d), f32)
     piece = max(TILE, min(PIECE_TOKENS, PIECE_ELEMENTS // max(1, b * n_q * n)))
