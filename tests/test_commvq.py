@@ -843,3 +843,65 @@ def test_real_model_inverse_rope_recovers_captured_pre_rope_keys(smollm2):
         atol=2e-3,
         rtol=1e-4,
     )
+
+
+# ------------------------------------------------------------------ fused attention (twin)
+
+
+@pytest.mark.parametrize("traditional", LAYOUTS)
+@pytest.mark.parametrize("center", [True, False])
+def test_fused_twin_matches_float64_over_the_transient_fetch(traditional, center, monkeypatch):
+    # Two caches fed the same calls store the same codes; the transient one's fetch is what
+    # mlx-lm's attention sees. The twin decodes the coded past in pieces of 7 tokens (RoPE at
+    # each piece's own positions), across decode steps and a prefill chunk under mlx-lm's
+    # sliding-window array mask (hiding whole leading pieces).
+    from mlx_lm.models.base import create_causal_mask
+
+    from veloxquant.methods.commvq import kernels
+
+    monkeypatch.setattr(kernels, "PIECE_TOKENS", 7)
+    a, b = small_cache(traditional, center=center), small_cache(traditional, center=center)
+    b.fused = True
+    rng = np.random.default_rng(3)
+    for n in [9, 1, 30, 1, 1, 6, 1, 1]:
+        k = mx.array(rng.standard_normal((1, 2, n, 16)), mx.float32)
+        v = mx.array(rng.standard_normal((1, 2, n, 16)), mx.float32)
+        q = mx.array(rng.standard_normal((1, 6, n, 16)) * 2, mx.float32)
+        keys, values = a.update_and_fetch(k, v)
+        assert b.update_and_fetch(k, v) == (k, v)  # the fused update hands back its inputs
+        mask = None if n == 1 else create_causal_mask(n, a.offset - n, window_size=20)
+        want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask=mask)
+        got = b.fused_attention(q, scale=0.25, mask=mask)
+        assert b.last_attention == "reference"
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=0)
+    assert a.compressed_tokens == b.compressed_tokens > 3 * 7
+    for name in a.array_names:  # the same bits stored
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None) and (x is None or mx.array_equal(x, y).item()), name
+
+
+def test_fused_path_is_opt_in_and_attends_as_the_transient_path(monkeypatch):
+    # no GPU kernel yet: VELOXQUANT_FUSED=auto (the default) keeps the transient path even on a
+    # GPU; =1 routes the model's attention to the twin, with the transient path's logits
+    model = tiny_llama()
+    config = KVCacheConfig(method="commvq", uncalibrated=True, window=8, sinks=2)
+    monkeypatch.setenv("VELOXQUANT_FUSED", "auto")
+    ref = make_caches(model, config, None)
+    assert not any(c.fused for c in ref) and ref[0].attention_path == "transient"
+    monkeypatch.setenv("VELOXQUANT_FUSED", "1")
+    fused = make_caches(model, config, None)
+    assert all(c.fused for c in fused) and fused[0].attention_path == "reference"
+    tokens = mx.array(_tokens(1, 40, seed=5))
+    la = model(tokens[:, :32], cache=ref)[:, -1]
+    lb = model(tokens[:, :32], cache=fused)[:, -1]
+    for t in range(32, 40):
+        np.testing.assert_allclose(np.array(lb), np.array(la), atol=1e-3, rtol=0)
+        la = model(tokens[:, t : t + 1], cache=ref)[:, -1]
+        lb = model(tokens[:, t : t + 1], cache=fused)[:, -1]
+    assert {c.last_attention for c in fused} == {"reference"}
+    assert sum(c.nbytes for c in fused) == sum(c.nbytes for c in ref)
+    # an update whose attention never ran is refused at the next one
+    k = mx.zeros((1, fused[0].n_heads, 1, fused[0].head_dim))
+    fused[0].update_and_fetch(k, k)
+    with pytest.raises(RuntimeError, match="never followed by its attention"):
+        fused[0].update_and_fetch(k, k)

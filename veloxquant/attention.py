@@ -110,6 +110,17 @@ def apply_mask(scores: mx.array, mask: mx.array | None) -> mx.array:
     return scores + mask
 
 
+def unattended_update(cache: Any) -> RuntimeError:
+    """The error a fused cache raises at an update when the previous one's attention never
+    ran: the model's attention is not routed here."""
+    return RuntimeError(
+        f"{type(cache).__name__}: a fused update was never followed by its attention, so the "
+        "model's attention is not routed through veloxquant.attention (it calls something "
+        "other than mlx-lm's scaled_dot_product_attention). Set cache.fused = False on every "
+        "layer to use the transient path."
+    )
+
+
 def exact_tokens(cache: Any, pending: dict) -> tuple[mx.array, mx.array, int]:
     """The tokens a fused cache attends at full precision for the update behind `pending`, in
     position order: the sinks (the call's own with the stored ones when the call reached them,
@@ -131,6 +142,54 @@ def exact_tokens(cache: Any, pending: dict) -> tuple[mx.array, mx.array, int]:
         mx.concatenate([x.astype(f32) for x in values], axis=2),
         n_sink,
     )
+
+
+class OnlineSoftmax:
+    """Attention of scaled queries [B, H_kv, G·N, D] (KV head h serving query heads
+    hG .. hG+G-1, N queries each) accumulated over pieces of keys and values [B, H_kv, L, D]
+    with an online softmax, so that no more than a piece of a long past is held at once: the
+    fused caches' pure-MLX twins. Float32."""
+
+    def __init__(self, q: mx.array, n_queries: int):
+        self.q = q
+        b, h, gn, d = q.shape
+        self.shape = (b, h, gn // n_queries, n_queries)
+        f32 = mx.float32
+        # a finite floor: a piece whose every column is masked (a sliding window) leaves it,
+        # where -inf would give exp(-inf - -inf) = NaN
+        self.m = mx.full((*self.shape, 1), -1.0e30, f32)
+        self.l = mx.zeros((*self.shape, 1), f32)
+        self.o = mx.zeros((*self.shape, d), f32)
+
+    def add(self, keys: mx.array, values: mx.array, mask: mx.array | None) -> None:
+        """One piece; `mask` from `mask_columns` for its columns (None: all visible)."""
+        b, h, g, n = self.shape
+        s = (self.q @ keys.swapaxes(-1, -2)).reshape(b, h, g, n, keys.shape[2])
+        s = apply_mask(s, mask)
+        m_new = mx.maximum(self.m, s.max(axis=-1, keepdims=True))
+        alpha = mx.exp(self.m - m_new)
+        p = mx.exp(s - m_new)
+        pv = (p.reshape(b, h, g * n, -1) @ values).reshape(b, h, g, n, -1)
+        self.o = self.o * alpha + pv
+        self.l = self.l * alpha + p.sum(axis=-1, keepdims=True)
+        self.m = m_new
+
+    def add_exact(
+        self, keys: mx.array, values: mx.array, n_sink: int, n_before: int, mask: Any
+    ) -> None:
+        """The exact tokens of `exact_tokens` (n_sink sinks, then the rest), whose columns
+        are 0 .. n_sink-1 and, after the n_before compressed tokens, the last ones."""
+        n = self.shape[3]
+        total = n_before + keys.shape[2]
+        cols = [(0, n_sink)] if n_sink else []
+        cols.append((n_sink + n_before, keys.shape[2] - n_sink))
+        masks = [mask_columns(mask, n, total, start, length) for start, length in cols]
+        self.add(keys, values, None if masks[0] is None else mx.concatenate(masks, axis=-1))
+
+    def result(self, dtype: mx.Dtype) -> mx.array:
+        """The attention [B, H_q, N, D] in `dtype`."""
+        b, h, g, n = self.shape
+        return (self.o / self.l).reshape(b, h * g, n, -1).astype(dtype)
 
 
 def _takes_cpu_softmax(queries: Any, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
@@ -285,11 +344,14 @@ def wanted() -> bool:
     return MODES[value]
 
 
-def enable_for(model: Any, caches: list, method: str) -> bool:
+def enable_for(model: Any, caches: list, method: str, auto: bool = True) -> bool:
     """Install the dispatch and put `caches` on the fused path when `model`'s attention is
     routed and VELOXQUANT_FUSED asks for it (`wanted`); otherwise leave them on the transient
-    path (logging once why, when the model is the reason). Returns whether they are fused."""
-    if not wanted():
+    path (logging once why, when the model is the reason). auto=False: a method whose fused
+    path is not yet the default anywhere fuses only when VELOXQUANT_FUSED=1. Returns whether
+    they are fused."""
+    explicit = os.environ.get("VELOXQUANT_FUSED", "auto").strip().lower() == "1"
+    if not wanted() or (not auto and not explicit):
         return False
     install()
     if not routes(model):

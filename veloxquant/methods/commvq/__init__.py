@@ -34,7 +34,8 @@ Calibration (`train.py`, from a capture's `k_pre`, `v` and, for diagnostics, `q_
 Runtime (`cache.py`, `CommVQCache`): keys arrive post-RoPE; RoPE is inverted at the cache's own
 absolute positions, the pre-RoPE key is coded (12-bit codes packed, one fp16 scale per token);
 at fetch the codeword sums are decoded and RoPE is applied exactly at each token's position
-(transient dequantization; the fused table path is the kernels issue). fp16 sinks and a recent
+(transient dequantization by default; VELOXQUANT_FUSED=1 decodes a piece at a time under an
+online softmax, `kernels.py`; its GPU kernel is still to come). fp16 sinks and a recent
 fp16 window stay exact, as in VecInfer. `nbytes` counts codes, scales, window, sinks, atoms (or
 θ) with their scales, gains, μ and the value codebooks, i.e. every resident array. Only RoPE the
 cache can re-apply exactly is accepted: full rotary, rope_scaling none/default/linear.
@@ -66,6 +67,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant import attention
 from veloxquant.methods.base import Artifact, Method, ModelDims, TensorSpec
 from veloxquant.methods.commvq import codebook
 from veloxquant.methods.commvq.cache import (
@@ -240,7 +242,7 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[Comm
         theta, vbooks = mx.array(theta), mx.array(vbooks)
         gains = None if gains is None else mx.array(gains)
         means = None if means is None else mx.array(means)
-    return [
+    caches = [
         CommVQCache(
             theta[i],
             vbooks[i],
@@ -257,6 +259,9 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[Comm
         )
         for i in range(dims.L)
     ]
+    # the fused path (the pure-MLX twin, no GPU kernel yet) only when VELOXQUANT_FUSED=1
+    attention.enable_for(model, caches, "commvq", auto=False)
+    return caches
 
 
 METHOD = Method(

@@ -17,7 +17,11 @@ Encode (a token leaving the window): invert RoPE at the token's absolute positio
 (`mx.fast.rope` with a negated scale, DESIGN.md section 6), subtract μ, divide by the fp16 scale,
 greedy separable encoding over the R stages (`codebook.encode_residual`).
 
-Fetch (the transient path until the fused kernels land): decode Σ_r c(a_r, b_r), multiply by s,
+Fused attention (opt-in: VELOXQUANT_FUSED=1; `fused_attention`, kernels.py): the same
+tokens attended with the coded past decoded one piece at a time under an online softmax, so
+no call holds the whole dequantized past; no GPU kernel yet (#14).
+
+Fetch (the transient path, the default): decode Σ_r c(a_r, b_r), multiply by s,
 add μ, apply RoPE exactly at the coded tokens' positions (they are contiguous, from `sinks` on,
 so one `mx.fast.rope` with that offset is the model's own rotation), then concatenate sinks,
 coded tokens, window and the call's own tokens in full precision. The dequantized keys and values
@@ -36,6 +40,7 @@ import mlx_lm.models.cache as mlx_cache
 from mlx import nn
 from mlx_lm.models.cache import create_attention_mask
 
+from veloxquant import attention
 from veloxquant.codes import pq_decode, pq_encode
 from veloxquant.methods.base import CompressedCache, ModelDims, pack_state, take_sinks, unpack_state
 from veloxquant.methods.commvq import codebook as cb
@@ -187,6 +192,9 @@ class CommVQCache(CompressedCache):
         self.sink_keys = self.sink_values = None
         self.window_keys = self.window_values = None
         self.key_codes = self.key_scales = self.value_codes = None
+        self.fused = False  # set by make_caches (veloxquant.attention.enable_for)
+        self._pending: dict | None = None
+        self.last_attention: str | None = None
         self._validate()
 
     def _validate(self) -> None:
@@ -334,18 +342,17 @@ class CommVQCache(CompressedCache):
     # -- mlx-lm cache protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if keys.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"commvq: keys have head_dim {keys.shape[-1]}, the codebook {self.head_dim}"
-            )
-        _check_finite(keys, "keys")
+        if self.fused:
+            return self._fused_update(keys, values)
+        self._check_no_pending()
+        self._check_keys(keys)
         dtype = keys.dtype
         recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
         recent_k, recent_v, out_sk, out_sv = take_sinks(self, recent_k, recent_v)
         if self.window_keys is not None:
             recent_k = mx.concatenate([self.window_keys.astype(mx.float32), recent_k], axis=2)
             recent_v = mx.concatenate([self.window_values.astype(mx.float32), recent_v], axis=2)
-        n_coded = 0 if self.key_codes is None else self.key_codes.shape[2]
+        n_coded = self.compressed_tokens
         n_old = recent_k.shape[2] - self.window
         # Every stage's θ, rebuilt once per call for the decode and the encode below.
         theta = self.stage_theta() if n_coded or n_old > 0 else None
@@ -361,7 +368,24 @@ class CommVQCache(CompressedCache):
         if out_sk is not None:
             out_k = mx.concatenate([out_sk, out_k], axis=2)
             out_v = mx.concatenate([out_sv, out_v], axis=2)
+        self._keep_recent(recent_k, recent_v, theta)
+        self.offset += keys.shape[2]
+        return out_k.astype(dtype), out_v.astype(dtype)
+
+    def _check_keys(self, keys: mx.array) -> None:
+        if keys.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"commvq: keys have head_dim {keys.shape[-1]}, the codebook {self.head_dim}"
+            )
+        _check_finite(keys, "keys")
+
+    def _keep_recent(self, recent_k: mx.array, recent_v: mx.array, theta: Any = None) -> None:
+        """The window's tokens followed by the call's (float32): encode what falls out of the
+        window (from position sinks + coded tokens on) and keep the rest as the window."""
+        n_coded = self.compressed_tokens
+        n_old = recent_k.shape[2] - self.window
         if n_old > 0:
+            theta = self.stage_theta() if theta is None else theta
             # Coded tokens are contiguous from position `sinks`: these start at sinks + n_coded.
             new_kc, new_ks = self.encode_keys(recent_k[:, :, :n_old], self.sinks + n_coded, theta)
             new_vc = self.encode_values(recent_v[:, :, :n_old])
@@ -375,8 +399,56 @@ class CommVQCache(CompressedCache):
             recent_k, recent_v = recent_k[:, :, n_old:], recent_v[:, :, n_old:]
         self.window_keys = recent_k.astype(mx.float16)
         self.window_values = recent_v.astype(mx.float16)
+
+    # -- fused attention (opt-in, VELOXQUANT_FUSED=1): update_and_fetch only updates the cache
+    # and returns its inputs; veloxquant.attention routes the model's attention call to
+    # `fused_attention`, which decodes the coded past a piece at a time (kernels.py).
+
+    @property
+    def attention_path(self) -> str:
+        """How attention runs: "reference" (fused: the pure-MLX twin, a piece of the coded
+        past at a time; no GPU kernel yet) or "transient" (the whole coded past decoded, then
+        mlx-lm's attention)."""
+        return "reference" if self.fused else "transient"
+
+    def _check_no_pending(self) -> None:
+        if self._pending is not None:
+            self._pending = None
+            raise attention.unattended_update(self)
+
+    def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._check_no_pending()
+        self._check_keys(keys)
+        # what this call's attention reads: the codes before this call's encode (replaced, never
+        # written, by an append), the sinks, the window before the call and the call's tokens
+        pending = {
+            "n_coded": self.compressed_tokens,
+            "codes": (self.key_codes, self.key_scales, self.value_codes),
+            "win": None if self.window_keys is None else (self.window_keys, self.window_values),
+        }
+        own_sinks = self.offset < self.sinks
+        recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
+        recent_k, recent_v, out_sk, out_sv = take_sinks(self, recent_k, recent_v)
+        pending["sinks"] = (out_sk, out_sv) if own_sinks else None
+        pending["new"] = (recent_k, recent_v)
+        if self.window_keys is not None:
+            recent_k = mx.concatenate([self.window_keys.astype(mx.float32), recent_k], axis=2)
+            recent_v = mx.concatenate([self.window_values.astype(mx.float32), recent_v], axis=2)
+        self._keep_recent(recent_k, recent_v)
         self.offset += keys.shape[2]
-        return out_k.astype(dtype), out_v.astype(dtype)
+        self._pending = pending
+        return keys, values
+
+    def fused_attention(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        """Attention of `queries` over everything the cache held for the latest update, in
+        the model's dtype, without decoding the coded past whole (kernels.reference_attention)."""
+        from veloxquant.methods.commvq import kernels
+
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("CommVQCache.fused_attention: no update to attend over")
+        self.last_attention = "reference"
+        return kernels.reference_attention(self, queries, scale, mask, pending)
 
     def size(self) -> int:
         return self.offset
@@ -425,6 +497,9 @@ class CommVQCache(CompressedCache):
         for name in self.array_names:
             setattr(self, name, arrays.get(name))
         self._set_meta(meta)
+        # from_state skips __init__; a loaded cache stays on the transient path (the fused one
+        # is opt-in until the GPU kernels exist; set `fused` to choose)
+        self.fused, self._pending, self.last_attention = False, None, None
         self._validate()
 
     def _set_meta(self, meta: dict[str, Any]) -> None:

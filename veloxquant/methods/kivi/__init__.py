@@ -506,12 +506,7 @@ class KIVICache(CompressedCache):
             # the update itself is complete (the store and window are already advanced); only
             # its attention never ran
             self._pending = None
-            raise RuntimeError(
-                "KIVICache: a fused update was never followed by its attention, so the "
-                "model's attention is not routed through veloxquant.attention (it calls "
-                "something other than mlx-lm's scaled_dot_product_attention). Set "
-                "cache.fused = False on every layer to use the transient path."
-            )
+            raise attention.unattended_update(self)
 
     def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._check_no_pending()

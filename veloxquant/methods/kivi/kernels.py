@@ -642,27 +642,7 @@ def reference_attention(
     fk, fv, n_sink = attention.exact_tokens(cache, pending)
     total = n_quant + int(fk.shape[2])
     q = (queries.astype(f32) * scale).reshape(b, h, g * n, d)
-
-    def rows(x: mx.array) -> mx.array:  # [B, H, G·N, L] → mask-compatible [B, H, G, N, L]
-        return x.reshape(b, h, g, n, x.shape[-1])
-
-    # a finite floor: a piece whose every column is masked (a sliding window) leaves it, where
-    # -inf would give exp(-inf - -inf) = NaN
-    m_run = mx.full((b, h, g, n, 1), NEG, f32)
-    l_run = mx.zeros((b, h, g, n, 1), f32)
-    o_run = mx.zeros((b, h, g, n, d), f32)
-
-    def attend(keys: mx.array, values: mx.array, cols: mx.array | None) -> None:
-        nonlocal m_run, l_run, o_run
-        s = attention.apply_mask(rows(q @ keys.swapaxes(-1, -2)), cols)
-        m_new = mx.maximum(m_run, s.max(axis=-1, keepdims=True))
-        alpha = mx.exp(m_run - m_new)
-        p = mx.exp(s - m_new)
-        pv = (p.reshape(b, h, g * n, -1) @ values).reshape(b, h, g, n, d)
-        o_run = o_run * alpha + pv
-        l_run = l_run * alpha + p.sum(axis=-1, keepdims=True)
-        m_run = m_new
-
+    run = attention.OnlineSoftmax(q, n)
     gs = cache.group_size
     piece = max(gs, min(PIECE_TOKENS, PIECE_ELEMENTS // max(1, b * n_q * n)) // gs * gs)
     store = pending["store"]
@@ -670,14 +650,9 @@ def reference_attention(
         e = min(n_quant, a + piece)
         keys = cache._dequantize("key", store, a // gs, e // gs)
         values = cache._dequantize("value", store, a // gs, e // gs)
-        attend(keys, values, attention.mask_columns(mask, n, total, n_sink + a, e - a))
+        run.add(keys, values, attention.mask_columns(mask, n, total, n_sink + a, e - a))
         if n > 1:  # prefill: keep one piece's intermediates alive at a time
-            mx.eval(m_run, l_run, o_run)
+            mx.eval(run.m, run.l, run.o)
 
-    # the exact tokens: sinks, then the pending window and call tokens, in position order
-    fp_cols = [(0, n_sink)] if n_sink else []
-    fp_cols.append((n_sink + n_quant, int(fk.shape[2]) - n_sink))
-    masks = [attention.mask_columns(mask, n, total, st, ln) for st, ln in fp_cols]
-    attend(fk, fv, None if masks[0] is None else mx.concatenate(masks, axis=-1))
-    out = o_run / l_run
-    return out.reshape(b, n_q, n, d).astype(queries.dtype)
+    run.add_exact(fk, fv, n_sink, n_quant, mask)
+    return run.result(queries.dtype)

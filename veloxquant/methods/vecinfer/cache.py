@@ -369,12 +369,7 @@ class VecInferCache(CompressedCache):
             pending, self._pending = self._pending, None
             self._encode_leaving(pending)
             self._write_ring(pending)
-            raise RuntimeError(
-                "VecInferCache: a fused update was never followed by its attention, so the "
-                "model's attention is not routed through veloxquant.attention (it calls "
-                "something other than mlx-lm's scaled_dot_product_attention). Set "
-                "cache.fused = False on every layer to use the transient path."
-            )
+            raise attention.unattended_update(self)
 
     def _encode_leaving(self, pending: dict) -> dict:
         """Encode and append the token a full window dropped in the update behind `pending`
