@@ -351,6 +351,7 @@ class KIVICache(CompressedCache):
         )
         # buckets[stream] = [(bits, head indices)], and the head order that undoes the bucketing
         self.buckets, self._inverse = {}, {}
+        self._kernel_memo: dict = {}  # what the layout decides for the kernels (kernels.py)
         for s, stream in enumerate(STREAMS):
             widths = sorted({int(b) for b in head_bits[:, s]})
             self.buckets[stream] = [(b, np.flatnonzero(head_bits[:, s] == b)) for b in widths]

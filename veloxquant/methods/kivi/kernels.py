@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from veloxquant import attention
 from veloxquant.kernels import KernelSource, backend, launch
@@ -104,11 +103,21 @@ def unsupported(lay: Layout, which: str = "cuda") -> str | None:
     return None
 
 
+def _memo(cache: Any) -> dict:
+    """The cache's own memo of what its layout decides (reset when the layout is set): a
+    decode step asks for it once per layer, and rebuilding it was host time on every step."""
+    return cache.__dict__.setdefault("_kernel_memo", {})
+
+
 def layouts(cache: Any, n_q_heads: int) -> list[Layout]:
     """One layout per (key bits, value bits) pair among the cache's heads."""
-    gq = n_q_heads // cache.head_bits.shape[0]
-    pairs = sorted({(int(k), int(v)) for k, v in cache.head_bits})
-    return [Layout(cache.head_dim, cache.group_size, kb, vb, gq) for kb, vb in pairs]
+    key = ("layouts", n_q_heads, cache.head_dim)
+    memo = _memo(cache)
+    if key not in memo:
+        gq = n_q_heads // cache.head_bits.shape[0]
+        pairs = sorted({(int(k), int(v)) for k, v in cache.head_bits})
+        memo[key] = [Layout(cache.head_dim, cache.group_size, kb, vb, gq) for kb, vb in pairs]
+    return memo[key]
 
 
 def kernels_take(cache: Any, n_q_heads: int) -> bool:
@@ -117,7 +126,11 @@ def kernels_take(cache: Any, n_q_heads: int) -> bool:
     which = backend()
     if which is None or cache.head_dim is None or n_q_heads % cache.head_bits.shape[0]:
         return False
-    return all(unsupported(lay, which) is None for lay in layouts(cache, n_q_heads))
+    key = ("takes", which, n_q_heads, cache.head_dim)
+    memo = _memo(cache)
+    if key not in memo:
+        memo[key] = all(unsupported(lay, which) is None for lay in layouts(cache, n_q_heads))
+    return memo[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,11 +531,11 @@ def _dummy(dtype: mx.Dtype) -> mx.array:
     return mx.zeros((8,), dtype)
 
 
-def head_table(cache: Any, lay: Layout) -> mx.array:
-    """int32 [max(4·n, 8)]: for each of the n KV heads with this layout's bits, (the head, its
-    row in the key store's bucket, its row in the value store's bucket, 0)."""
+def head_table(cache: Any, lay: Layout) -> tuple[mx.array, int]:
+    """(int32 [max(4·n, 8)], n): for each of the n KV heads with this layout's bits, (the head,
+    its row in the key store's bucket, its row in the value store's bucket, 0)."""
     key = ("heads", lay.key_bits, lay.value_bits)
-    memo = cache.__dict__.setdefault("_kernel_memo", {})
+    memo = _memo(cache)
     if key not in memo:
         rows = []
         key_heads = dict(cache.buckets["key"])[lay.key_bits].tolist()
@@ -530,8 +543,9 @@ def head_table(cache: Any, lay: Layout) -> mx.array:
         for h, (kb, vb) in enumerate(cache.head_bits.tolist()):
             if (kb, vb) == (lay.key_bits, lay.value_bits):
                 rows += [h, key_heads.index(h), value_heads.index(h), 0]
+        n = len(rows) // 4
         rows += [0] * max(0, 8 - len(rows))
-        memo[key] = mx.array(rows, mx.int32)
+        memo[key] = (mx.array(rows, mx.int32), n)
     return memo[key]
 
 
@@ -571,7 +585,7 @@ def attention_inputs(
     iparams = (n_blocks, tiles_per_split, n_splits, n_sink, n_win, n_new, kstride, vstride)
     return [
         queries.reshape(n_q, -1),
-        head_table(cache, lay),
+        head_table(cache, lay)[0],
         *store,
         *exact,
         _int_params(iparams),
@@ -592,7 +606,7 @@ def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict)
     parts, tables = [], []
     for lay in layouts(cache, n_q):
         inputs = attention_inputs(cache, queries, scale, pending, lay, n_splits, per)
-        n_heads = int(np.sum(np.all(cache.head_bits == (lay.key_bits, lay.value_bits), axis=1)))
+        n_heads = head_table(cache, lay)[1]
         rows = n_heads * gq
         parts.append(
             launch(
