@@ -396,9 +396,16 @@ def test_shallow_copies_do_not_share_flushes():
     assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
 
 
-def test_make_cache_fuses_by_the_environment(smollm2, monkeypatch):
+@pytest.mark.parametrize("default", [False, True])
+def test_make_cache_fuses_by_the_environment(default, smollm2, monkeypatch):
+    # opt-in (VELOXQUANT_FUSED=1) until the kernels have run on a GPU (KERNELS_DEFAULT); then
+    # auto fuses where MLX runs on one
+    from veloxquant.methods import kivi
+
+    monkeypatch.setattr(kivi, "KERNELS_DEFAULT", default)
     model, _ = smollm2
-    for value, want in (("1", True), ("0", False), ("auto", vk.backend() is not None)):
+    on_gpu = vk.backend() is not None
+    for value, want in (("1", True), ("0", False), ("auto", default and on_gpu)):
         monkeypatch.setenv("VELOXQUANT_FUSED", value)
         for config in MODEL_CONFIGS.values():
             assert {c.fused for c in make_cache(model, config)} == {want}

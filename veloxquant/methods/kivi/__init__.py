@@ -41,12 +41,14 @@ Runtime (`KIVICache`, method "kivi"; one cache per layer):
   `benchmarks/bench_ratequant.py check` and `decode`): fused and pure paths agree there once
   1-bit buckets take the pure path; `USE_MX_DEQUANTIZE = False` leaves only elementwise ops
   and reductions (10x slower on that GPU).
-- fused attention (`fused`, set by make_caches through `veloxquant.attention.enable_for`, by
-  VELOXQUANT_FUSED: on a GPU by default): `update_and_fetch` only updates the cache (the same
-  bits stored as on the transient path) and returns its inputs; mlx-lm's attention call is
-  routed to `fused_attention`, which attends straight from the packed codes: the kernels of
-  `kernels.py` for one decode query, their pure-MLX twin (the store dequantized a piece at a
-  time) otherwise. `attention_path` / `last_attention` say which.
+- fused attention (`fused`, set by make_caches through `veloxquant.attention.enable_for`:
+  only with VELOXQUANT_FUSED=1 while `KERNELS_DEFAULT` is False, i.e. until the kernels have
+  run on a GPU; then `auto` turns it on where MLX runs on one): `update_and_fetch` only
+  updates the cache (the same bits stored as on the transient path) and returns its inputs;
+  mlx-lm's attention call is routed to `fused_attention`, which attends straight from the
+  packed codes: the kernels of `kernels.py` for one decode query, their pure-MLX twin (the
+  store dequantized a piece at a time) otherwise. `attention_path` / `last_attention` say
+  which.
 - `nbytes`: packed codes, fp16 scales and zeros, the fp16 window and sinks; nothing else.
   Per stored token and head: D·b/8 bytes of codes plus 4·D/G bytes of scale + zero, i.e.
   b + 32/G bits per element (G = 32: b + 1); `resident_bytes` is the formula.
@@ -64,6 +66,7 @@ average bits and per-head allocations are RateQuant's job (veloxquant/methods/ra
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -96,6 +99,10 @@ DEFAULT_SINKS = 4
 # fp16 scale + fp16 zero per group of G elements.
 SCALE_ZERO_BITS = 32
 STREAMS = ("key", "value")
+# Whether VELOXQUANT_FUSED=auto (the default) fuses KIVI / RateQuant caches on a GPU. False
+# until the kernels have been checked and timed on one (benchmarks/h200_kivi.sh): they are
+# verified in the CPU emulator and compiled for sm_90a, not yet run.
+KERNELS_DEFAULT = False
 OPTION_KEYS = ("key_bits", "value_bits")
 
 
@@ -646,7 +653,9 @@ class KIVICache(CompressedCache):
         for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
             setattr(self, name, arrays.get(name))
         # a loaded cache attends the way a fresh one would in this process
-        self.fused = attention.wanted()
+        self.fused = attention.wanted() and (
+            KERNELS_DEFAULT or os.environ.get("VELOXQUANT_FUSED", "").strip() == "1"
+        )
         if self.fused:
             attention.install()
         self._pending, self.last_attention, self._n_q_heads = None, None, None
@@ -721,8 +730,9 @@ def make_caches(model: Any, config: Any, artifact: Any = None) -> list[KIVICache
     alloc = np.empty((dims.L, dims.H_kv, 2), dtype=np.int64)
     alloc[..., 0], alloc[..., 1] = kb, vb
     caches = build_caches(alloc, group_size, window, sinks)
-    # fused attention whenever the model's attention can be routed (veloxquant.attention)
-    attention.enable_for(model, caches, "kivi")
+    # fused attention only when asked for (VELOXQUANT_FUSED=1) until the kernels have run on
+    # a GPU (KERNELS_DEFAULT)
+    attention.enable_for(model, caches, "kivi", auto=KERNELS_DEFAULT)
     return caches
 
 

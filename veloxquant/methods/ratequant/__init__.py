@@ -505,7 +505,7 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
             (dims.L, dims.H_kv, 2), config.bits, allowed or DEFAULT_ALLOWED_BITS, g
         )
         caches = kivi.build_caches(bits, g, window, sinks)
-        attention.enable_for(model, caches, "ratequant")
+        attention.enable_for(model, caches, "ratequant", auto=kivi.KERNELS_DEFAULT)
         return caches
     if artifact is None:
         raise ValueError(
@@ -520,8 +520,8 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list:
     target = hp["bits"] if config.bits is None else config.bits
     bits, _ = solve_allocation(artifact, target, kind, allowed, response)
     caches = kivi.build_caches(bits, g, window, sinks)
-    # fused attention whenever the model's attention can be routed (veloxquant.attention)
-    attention.enable_for(model, caches, "ratequant")
+    # fused attention as for KIVI (kivi.KERNELS_DEFAULT)
+    attention.enable_for(model, caches, "ratequant", auto=kivi.KERNELS_DEFAULT)
     return caches
 
 
