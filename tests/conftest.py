@@ -22,6 +22,19 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=rank)  # stable: the order within each file is kept
 
 
+@pytest.fixture(autouse=True)
+def _attention_dispatch_as_found():
+    """A test that routes mlx-lm's attention (make_cache with VELOXQUANT_FUSED=1 installs the
+    dispatch for good, as a program wants) leaves it as it found it, so tests that check the
+    routing see the same state whichever file ran before them in their worker."""
+    from veloxquant import attention
+
+    was = attention.installed()
+    yield
+    if not was and attention.installed():
+        attention.uninstall()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
     """The embedded SmolLM2-135M GGUF imported once per test session (float32).
