@@ -344,14 +344,20 @@ def wanted() -> bool:
     return MODES[value]
 
 
+def wanted_for(auto: bool) -> bool:
+    """`wanted()` for a method whose fused path is the default where `auto` fuses (auto=True)
+    or only when asked for with VELOXQUANT_FUSED=1 (auto=False)."""
+    explicit = os.environ.get("VELOXQUANT_FUSED", "auto").strip().lower() == "1"
+    return wanted() and (auto or explicit)
+
+
 def enable_for(model: Any, caches: list, method: str, auto: bool = True) -> bool:
     """Install the dispatch and put `caches` on the fused path when `model`'s attention is
     routed and VELOXQUANT_FUSED asks for it (`wanted`); otherwise leave them on the transient
     path (logging once why, when the model is the reason). auto=False: a method whose fused
     path is not yet the default anywhere fuses only when VELOXQUANT_FUSED=1. Returns whether
     they are fused."""
-    explicit = os.environ.get("VELOXQUANT_FUSED", "auto").strip().lower() == "1"
-    if not wanted() or (not auto and not explicit):
+    if not wanted_for(auto):
         return False
     install()
     if not routes(model):

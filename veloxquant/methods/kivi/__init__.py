@@ -66,7 +66,6 @@ average bits and per-head allocations are RateQuant's job (veloxquant/methods/ra
 from __future__ import annotations
 
 import numbers
-import os
 from typing import Any
 
 import mlx.core as mx
@@ -653,9 +652,7 @@ class KIVICache(CompressedCache):
         for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
             setattr(self, name, arrays.get(name))
         # a loaded cache attends the way a fresh one would in this process
-        self.fused = attention.wanted() and (
-            KERNELS_DEFAULT or os.environ.get("VELOXQUANT_FUSED", "").strip() == "1"
-        )
+        self.fused = attention.wanted_for(KERNELS_DEFAULT)
         if self.fused:
             attention.install()
         self._pending, self.last_attention, self._n_q_heads = None, None, None
