@@ -5,7 +5,8 @@ returns zeros of the right shapes (so the numbers are Python and MLX op construc
 kernels). Interleaved repeats, median [min, max] per layer: the attention call (cache update
 and attention) and the whole step; then the two host functions of a fused layer step alone
 (`attention_inputs`, `launch_attention`; best of 5 x 2000 calls), and `veloxquant.kernels.launch`
-against the same stubbed kernel called directly. With `--baseline`, another
+against the same stubbed kernel called directly. `--kivi` adds fused KIVI-2 and a mixed
+2/4-bit RateQuant allocation (their launches stubbed the same way). With `--baseline`, another
 revision's veloxquant/methods/vecinfer/kernels.py runs beside this tree's (a third arm on the
 same caches, as ab_kernel_revisions.py does).
 
@@ -47,10 +48,13 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--baseline", help="a kernels.py of another revision, as a third arm")
+    p.add_argument("--kivi", action="store_true", help="also fused KIVI-2 and mixed 2/4 caches")
     args = p.parse_args()
-    vk.backend = lambda: "cuda"  # the fused path's host code, kernels stubbed
-    mx.fast.cuda_kernel = stub_kernel
+    import veloxquant.methods.kivi.kernels as kivi_kernels
     import veloxquant.methods.vecinfer as vecinfer
+
+    vk.backend = kivi_kernels.backend = lambda: "cuda"  # the fused paths' host code, stubbed
+    mx.fast.cuda_kernel = stub_kernel
     from ab_kernel_revisions import load_baseline
     from bench_generate import default_layout_caches
 
@@ -69,6 +73,12 @@ def main() -> None:
     arms = {"fp16": (fp, current), "vecinfer": (vq, current)}
     if args.baseline:  # the cache looks its kernels module up on the package at every call
         arms["baseline"] = (vq, load_baseline(args.baseline))
+    if args.kivi:
+        from bench_kivi_decode import CONFIGS, fused_copy
+        from bench_vecinfer import filled_caches
+
+        for name, config in CONFIGS.items():
+            arms[name] = (fused_copy(filled_caches(model, config, args.context)), current)
 
     attention_time = [0.0]
     original = llama.Attention.__call__
@@ -94,8 +104,8 @@ def main() -> None:
             if r >= 3:  # warm-up
                 result[name][0].append(attention_time[0] / len(caches))
                 result[name][1].append(step / len(caches))
-            # the vecinfer arm's outputs are stub zeros: evaluate its state, not 8B work
-            mx.eval(out if name == "fp16" else [c._kbuf for c in caches] + [c._wk for c in caches])
+            # the fused arms' outputs are stub zeros: evaluate their state, not 8B work
+            mx.eval(out if name == "fp16" else [c.state for c in caches])
     llama.Attention.__call__ = original
     vecinfer.kernels = current
     print(f"mlx {mx.__version__}, {args.context}-token context, per layer:")
@@ -110,7 +120,7 @@ def main() -> None:
         return min(timeit.repeat(fn, number=2000, repeat=5)) / 2000
 
     for name, (_, kernels) in arms.items():
-        if name == "fp16":
+        if name not in ("vecinfer", "baseline"):
             continue
         inputs = kernels.attention_inputs(cache, q, 0.1, pending)
         t_in = best(lambda k=kernels: k.attention_inputs(cache, q, 0.1, pending))
