@@ -817,6 +817,38 @@ def test_path_selection_and_errors(smollm2, bundle, monkeypatch):
     assert not any(r.fused for r in rows)
 
 
+@pytest.mark.parametrize("routed", [True, False])
+def test_a_loaded_state_fuses_only_once_its_attention_is_seen_routed(
+    routed, smollm2, bundle, prompt, monkeypatch, tmp_path
+):
+    # (as for KIVI in test_kivi_kernels.py) a loaded prompt cache's first update is the
+    # transient path's; the cache fuses from the next update only if that update's attention
+    # came through the dispatch, and otherwise stays transient instead of attending only its
+    # own tokens
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model, _ = smollm2
+    ref = _caches(model, _config("calibrated", bundle), False, monkeypatch)
+    _prefill(model, ref, prompt[:, :200])
+    path = str(tmp_path / "vecinfer.safetensors")
+    save_prompt_cache(path, ref)
+    monkeypatch.setenv("VELOXQUANT_FUSED", "1")
+    loaded = load_prompt_cache(path)
+    assert all(c.fused for c in loaded) and attention.installed()
+    if not routed:
+        attention.uninstall()
+    diffs = []
+    for i in range(200, 204):
+        x = prompt[:, i : i + 1]
+        diffs.append(mx.abs(model(x, cache=ref) - model(x, cache=loaded)).max().item())
+    assert diffs[0] == 0.0
+    if routed:
+        assert all(c.fused and c.last_attention == "reference" for c in loaded)
+        assert 0.0 < max(diffs) < 0.2
+    else:
+        assert diffs == [0.0] * 4 and not any(c.fused for c in loaded)
+
+
 def test_an_unattended_update_still_keeps_every_token(smollm2, bundle, prompt, monkeypatch):
     # a full window's leaving token is encoded with its attention; when that attention never
     # comes (the error below), the token must still be written, so the cache the user then

@@ -410,3 +410,40 @@ def test_make_cache_fuses_by_the_environment(default, smollm2, monkeypatch):
         for config in MODEL_CONFIGS.values():
             assert {c.fused for c in make_cache(model, config)} == {want}
     assert os.environ["VELOXQUANT_FUSED"] == "auto"
+
+
+@pytest.mark.parametrize("routed", [True, False])
+def test_a_loaded_state_fuses_only_once_its_attention_is_seen_routed(
+    routed, smollm2, eval_text, monkeypatch, tmp_path
+):
+    # a prompt cache loaded in a process that fuses has no model to ask whether its attention
+    # is routed: its first update runs transient (right under any attention); it fuses from
+    # the next one only if that update's attention came through the dispatch
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from veloxquant import attention
+
+    model, tok = smollm2
+    ids = tok.encode(eval_text)[:204]
+    config = MODEL_CONFIGS["kivi-2"]
+    ref = _model_caches(model, config, False, monkeypatch)
+    model(mx.array([ids[:200]]), cache=ref)
+    path = str(tmp_path / "kivi.safetensors")
+    save_prompt_cache(path, ref)
+    monkeypatch.setenv("VELOXQUANT_FUSED", "1")
+    loaded = load_prompt_cache(path)
+    assert all(c.fused for c in loaded) and attention.installed()
+    if not routed:  # the model's attention now calls mlx-lm's own function, not the dispatch
+        attention.uninstall()
+    diffs = []
+    for i in range(200, 204):
+        x = mx.array([[ids[i]]])
+        want, got = model(x, cache=ref), model(x, cache=loaded)
+        diffs.append(mx.abs(want - got).max().item())
+    assert diffs[0] == 0.0  # the probing update is the transient path's, bit for bit
+    if routed:
+        assert all(c.fused and c.last_attention == "reference" for c in loaded)
+        assert 0.0 < max(diffs) < 0.2  # the twin from the second token on (near-ties: above)
+    else:
+        assert diffs == [0.0] * 4  # transient throughout, no error
+        assert not any(c.fused for c in loaded)

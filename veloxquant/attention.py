@@ -18,7 +18,9 @@ A cache only takes the fused path when its `fused` flag is set, and `make_cache`
 for a model whose attention module looks the name up here (`routes(model)`): a model whose
 attention calls `mx.fast.scaled_dot_product_attention` directly keeps the transient path, and
 says so once in the log. If a fused update is ever not followed by its attention, the cache
-raises at its next update rather than attend wrongly twice.
+raises at its next update rather than attend wrongly twice. A cache loaded from a saved prompt
+cache has no model to ask: its first update runs transient, and it fuses from the next one only
+if that update's attention came through `dispatch` (`route_proven`).
 
 `native_softmax()` also routes, for the duration of a block, CPU float32 attention with a causal
 or no mask through `cpu_attention` (and mlx-lm's quantized attention through
@@ -66,6 +68,8 @@ def dispatch(
 ) -> Any:
     """mlx-lm's scaled_dot_product_attention, with veloxquant's fused caches routed to their
     own attention."""
+    if getattr(cache, "_route_probe", None) == "asked":
+        cache._route_probe = None  # a loaded cache's attention does come here (route_proven)
     if getattr(cache, "_pending", None) is not None and hasattr(cache, "fused_attention"):
         if sinks is not None:
             raise NotImplementedError(
@@ -108,6 +112,33 @@ def apply_mask(scores: mx.array, mask: mx.array | None) -> mx.array:
     if mask.dtype == mx.bool_:
         return mx.where(mask, scores, -mx.inf)
     return scores + mask
+
+
+def route_proven(cache: Any) -> bool:
+    """Whether a cache with `fused` set may take its fused update now. `make_cache` fuses only
+    for a model whose attention is routed here (`enable_for`); a cache restored from a saved
+    state (`_route_probe = "loaded"`) has no model to ask. Its first update therefore runs on
+    the transient path, which is right under any attention, and `dispatch` marks the cache
+    when that update's attention comes through it: from the next update on, the cache fuses.
+    If it never came, the model's attention is not routed, and the cache stays transient
+    (`fused` cleared, logged once), rather than attend only its new tokens."""
+    probe = getattr(cache, "_route_probe", None)
+    if probe is None:
+        return True
+    if probe == "loaded":
+        cache._route_probe = "asked"
+        return False
+    cache._route_probe = None
+    cache.fused = False
+    name = type(cache).__name__
+    if name not in _warned:
+        _warned.add(name)
+        log.info(
+            "veloxquant: a loaded %s uses the transient path: the model's attention does not "
+            "call mlx-lm's scaled_dot_product_attention by name",
+            name,
+        )
+    return False
 
 
 def unattended_update(cache: Any) -> RuntimeError:

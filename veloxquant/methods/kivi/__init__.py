@@ -340,6 +340,7 @@ class KIVICache(CompressedCache):
         self.n_quantized = 0
         self.head_dim = None
         self.fused = False  # set by make_caches (veloxquant.attention.enable_for)
+        self._route_probe: str | None = None  # set for a loaded state (attention.route_proven)
         self._pending: dict | None = None
         self.last_attention: str | None = None
         self._n_q_heads: int | None = None  # seen by the latest fused attention
@@ -466,7 +467,7 @@ class KIVICache(CompressedCache):
         )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.fused:
+        if self.fused and attention.route_proven(self):
             return self._fused_update(keys, values)
         self._check_no_pending()
         dtype = keys.dtype
@@ -651,8 +652,10 @@ class KIVICache(CompressedCache):
         self.head_dim = None if int(meta["head_dim"]) < 0 else int(meta["head_dim"])
         for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
             setattr(self, name, arrays.get(name))
-        # a loaded cache attends the way a fresh one would in this process
+        # a loaded cache attends the way a fresh one would in this process, once its first
+        # update has shown the model's attention routed (attention.route_proven)
         self.fused = attention.wanted_for(KERNELS_DEFAULT)
+        self._route_probe = "loaded" if self.fused else None  # attention.route_proven
         if self.fused:
             attention.install()
         self._pending, self.last_attention, self._n_q_heads = None, None, None

@@ -134,6 +134,7 @@ class VecInferCache(CompressedCache):
         self.offset = 0
         # Fused attention (veloxquant.attention): off until the model's attention is routed.
         self.fused = False
+        self._route_probe: str | None = None  # set for a loaded state (attention.route_proven)
         self._pending: dict | None = None
         self._last_write: mx.array | None = None
         # the output of the cache's latest kernel launch, which the next one takes as an input
@@ -260,7 +261,7 @@ class VecInferCache(CompressedCache):
     # -- mlx-lm cache protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.fused:
+        if self.fused and attention.route_proven(self):
             return self._fused_update(keys, values)
         self._check_no_pending()
         self._normalize_window()
@@ -575,8 +576,10 @@ class VecInferCache(CompressedCache):
         self._last_write = self._last_launch = None  # from_state skips __init__
         for name in self._ARRAYS:
             setattr(self, name, arrays[name])
-        # a loaded cache attends the way a fresh one would in this process
+        # a loaded cache attends the way a fresh one would in this process, once its first
+        # update has shown the model's attention routed (attention.route_proven)
         self.fused = attention.wanted()
+        self._route_probe = "loaded" if self.fused else None  # attention.route_proven
         if self.fused:
             attention.install()
         self._pending, self.last_attention, self._kernel_memo = None, None, {}
