@@ -356,16 +356,18 @@ def run(
     output_shapes: list[tuple[int, ...]],
     output_dtypes: list[str],
     reverse: bool = False,
+    input_dtypes: list[str] | None = None,
 ) -> list[np.ndarray]:
     """Run `source` on numpy inputs (dtypes float32/float16/uint8/int32, or bfloat16 given as
-    uint16 bit patterns with name 'bfloat16' in `output_dtypes`); grid counts threadgroups,
+    uint16 bit patterns with name 'bfloat16' in `input_dtypes` (default: each input's numpy
+    dtype) or `output_dtypes`); grid counts threadgroups,
     which run one at a time, in grid order (x fastest, descending with `reverse`: kernels whose
     threadgroups hand over to the last one to finish must work in any order). Outputs are
     pre-filled with NaN (or 0xAB bytes) so an unwritten element shows."""
     names = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
     names.update({np.dtype(np.uint8): "uint8", np.dtype(np.int32): "int32"})
     names[np.dtype(np.uint32)] = "uint32"
-    in_types = [names[np.asarray(x).dtype] for x in inputs]
+    in_types = input_dtypes or [names[np.asarray(x).dtype] for x in inputs]
     lib = build(source, backend, in_types, list(output_dtypes))
     np_types = {"float32": np.float32, "float16": np.float16, "uint8": np.uint8}
     np_types.update({"int32": np.int32, "bfloat16": np.uint16, "uint32": np.uint32})

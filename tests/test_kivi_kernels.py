@@ -39,10 +39,17 @@ def _emulated(backend: str):
     def run(source, inputs, grid, output_shapes, output_dtypes):
         vk.check_inputs(source, inputs)  # as launch() does: every input of >= 8 elements
         mx.eval(inputs)
-        arrays = [np.array(x, copy=False) for x in inputs]
+        # numpy has no bfloat16: such arrays travel as their uint16 bit patterns
+        bf16 = mx.bfloat16
+        arrays = [np.array(x.view(mx.uint16) if x.dtype == bf16 else x) for x in inputs]
+        in_names = [dtype_name(x.dtype) for x in inputs]
         names = [dtype_name(dt) for dt in output_dtypes]
-        outs = emu.run(source, backend, arrays, grid, [tuple(s) for s in output_shapes], names)
-        return [mx.array(o) for o in outs]
+        shapes = [tuple(s) for s in output_shapes]
+        outs = emu.run(source, backend, arrays, grid, shapes, names, input_dtypes=in_names)
+        return [
+            mx.array(o).view(bf16) if dt == bf16 else mx.array(o)
+            for o, dt in zip(outs, output_dtypes, strict=True)
+        ]
 
     return run
 
@@ -283,27 +290,31 @@ def test_emulated_kernels_cover_empty_stores_and_single_splits(n_tok, window, si
 
 
 @needs_cxx
-def test_cache_decode_takes_the_kernels_and_keeps_the_model_dtype(monkeypatch):
-    # The cache's own decode path with the launches emulated, float16 model tensors: the
-    # output comes back in float16 from the combine kernel, within float16 rounding of the
-    # twin's float32 answer; prefill chunks still take the twin.
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_cache_decode_takes_the_kernels_and_keeps_the_model_dtype(dtype, monkeypatch):
+    # The cache's own decode path with the launches emulated, float16 or bfloat16 model
+    # tensors (bfloat16 is what the GPU benchmarks and most checkpoints run): the output comes
+    # back in the model's dtype from the combine kernel, within its rounding of the twin's
+    # float32 answer; prefill chunks still take the twin.
     rng = np.random.default_rng(5)
     h, d = 2, 64
     _, c = _pair([[2, 2], [3, 4]])
-    k = mx.array(_keys(rng, h, 200, d)).astype(mx.float16)
+    rtol = {mx.float16: 1e-3, mx.bfloat16: 8e-3}[dtype]  # half a unit in the last place
+    k = mx.array(_keys(rng, h, 200, d)).astype(dtype)
     c.update_and_fetch(k, k)
     c._pending = None
     monkeypatch.setattr(K, "backend", lambda: "cuda")
     monkeypatch.setattr(K, "launch", _emulated("cuda"))
     assert c.attention_path == "kernel"
     for _ in range(3):
-        k1 = mx.array(_keys(rng, h, 1, d)).astype(mx.float16)
-        q = mx.array(rng.normal(size=(1, 3 * h, 1, d))).astype(mx.float16)
+        k1 = mx.array(_keys(rng, h, 1, d)).astype(dtype)
+        q = mx.array(rng.normal(size=(1, 3 * h, 1, d))).astype(dtype)
         c.update_and_fetch(k1, k1)
         want = np.array(K.reference_attention(c, q.astype(mx.float32), 0.125, None, c._pending))
         got = c.fused_attention(q, scale=0.125)
-        assert c.last_attention == "kernel" and got.dtype == mx.float16
-        np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, atol=2e-3, rtol=1e-3)
+        assert c.last_attention == "kernel" and got.dtype == dtype
+        got = np.array(got.astype(mx.float32))
+        np.testing.assert_allclose(got, want, atol=rtol * np.abs(want).max(), rtol=rtol)
     k7 = mx.array(_keys(rng, h, 7, d))
     c.update_and_fetch(k7, k7)
     c.fused_attention(mx.zeros((1, 3 * h, 7, d)), scale=0.125, mask="causal")
