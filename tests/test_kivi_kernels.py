@@ -290,6 +290,36 @@ def test_emulated_kernels_cover_empty_stores_and_single_splits(n_tok, window, si
 
 
 @needs_cxx
+@pytest.mark.parametrize("name", ["kivi-2", "ratequant-uniform-3"])
+def test_emulated_kernels_match_the_twin_on_real_activations(name, smollm2, eval_text, monkeypatch):
+    # The real model's own keys, values and queries (SmolLM2, 330 prompt tokens, then 2 decode
+    # steps): every layer's decode attention runs in the emulated CUDA kernels, and each call
+    # is checked against the twin on the same update. The model goes on with the kernels'
+    # output, so later steps attend over what the kernel path itself stored.
+    model, tok = smollm2
+    caches = _model_caches(model, MODEL_CONFIGS[name], True, monkeypatch)
+    ids = tok.encode(eval_text)[:332]
+    model(mx.array([ids[:330]]), cache=caches)  # prefill: the twin
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "launch", _emulated("cuda"))
+    kernel_attention = K.decode_attention
+    errors = []
+
+    def checked(cache, queries, scale, pending):
+        got = kernel_attention(cache, queries, scale, pending)
+        want = K.reference_attention(cache, queries, scale, None, pending)
+        errors.append((mx.abs(got - want).max() / mx.abs(want).max()).item())
+        return got
+
+    monkeypatch.setattr(K, "decode_attention", checked)
+    for i in range(330, 332):
+        model(mx.array([[ids[i]]]), cache=caches)
+    assert {c.last_attention for c in caches} == {"kernel"}
+    assert len(errors) == 2 * len(caches) and caches[0].n_quantized > 0
+    assert max(errors) < 1e-5, max(errors)
+
+
+@needs_cxx
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_cache_decode_takes_the_kernels_and_keeps_the_model_dtype(dtype, monkeypatch):
     # The cache's own decode path with the launches emulated, float16 or bfloat16 model
