@@ -73,10 +73,11 @@ def bench_context(args, n_tok: int) -> dict:
     ]
     mx.eval(qs, kv)
 
-    def fused(name: str):
+    def fused(name: str, groups: int = K.TARGET_GROUPS):
         cs = caches[name]
 
         def run():
+            K.TARGET_GROUPS = groups
             mx.eval(
                 [
                     K.decode_attention(cs[i % args.sets], qs[i], scale, cs[i % args.sets]._pending)
@@ -111,11 +112,15 @@ def bench_context(args, n_tok: int) -> dict:
         )
 
     arms = {"sdpa_bf16": sdpa}
+    default_groups = K.TARGET_GROUPS
     for name in LAYOUTS:
         arms[f"{name}_fused"] = fused(name)
+        for groups in args.target_groups:  # the split count's target, swept
+            arms[f"{name}_fused_g{groups}"] = fused(name, groups)
         if args.transient:
             arms[f"{name}_transient"] = transient(name)
     times = time_arms(arms, args.repeats)
+    K.TARGET_GROUPS = default_groups
     row = {
         "context": total,
         "per_layer_s": {k: [t / layers for t in v] for k, v in times.items()},
@@ -140,6 +145,9 @@ def main() -> None:
     p.add_argument("--sets", type=int, default=4, help="distinct caches rotated over")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--transient", action="store_true", help="also time dequantize + SDPA")
+    p.add_argument(
+        "--target-groups", type=int, nargs="*", default=[], help="also these TARGET_GROUPS"
+    )
     args = p.parse_args()
     if backend() is None:
         raise SystemExit("no GPU backend: MLX runs on the CPU (bench_kivi_decode.py: CPU ratios)")
