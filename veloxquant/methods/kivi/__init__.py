@@ -42,8 +42,8 @@ Runtime (`KIVICache`, method "kivi"; one cache per layer):
   1-bit buckets take the pure path; `USE_MX_DEQUANTIZE = False` leaves only elementwise ops
   and reductions (10x slower on that GPU).
 - fused attention (`fused`, set by make_caches through `veloxquant.attention.enable_for`:
-  only with VELOXQUANT_FUSED=1 while `KERNELS_DEFAULT` is False, i.e. until the kernels have
-  run on a GPU; then `auto` turns it on where MLX runs on one): `update_and_fetch` only
+  by VELOXQUANT_FUSED, whose default `auto` turns it on where MLX runs on a GPU while
+  `KERNELS_DEFAULT` is True): `update_and_fetch` only
   updates the cache (the same bits stored as on the transient path) and returns its inputs;
   mlx-lm's attention call is routed to `fused_attention`, which attends straight from the
   packed codes: the kernels of `kernels.py` for one decode query, their pure-MLX twin (the
@@ -98,10 +98,11 @@ DEFAULT_SINKS = 4
 # fp16 scale + fp16 zero per group of G elements.
 SCALE_ZERO_BITS = 32
 STREAMS = ("key", "value")
-# Whether VELOXQUANT_FUSED=auto (the default) fuses KIVI / RateQuant caches on a GPU. False
-# until the kernels have been checked and timed on one (benchmarks/h200_kivi.sh): they are
-# verified in the CPU emulator and compiled for sm_90a, not yet run.
-KERNELS_DEFAULT = False
+# Whether VELOXQUANT_FUSED=auto (the default) fuses KIVI / RateQuant caches on a GPU. True
+# since the kernels were checked against the twin and timed on an H200
+# (benchmarks/results/kivi-fused-h200.md): faster than the transient path at every context
+# measured. Apple GPUs take the same generated source, not yet run on one (README).
+KERNELS_DEFAULT = True
 OPTION_KEYS = ("key_bits", "value_bits")
 
 
@@ -730,8 +731,7 @@ def make_caches(model: Any, config: Any, artifact: Any = None) -> list[KIVICache
     alloc = np.empty((dims.L, dims.H_kv, 2), dtype=np.int64)
     alloc[..., 0], alloc[..., 1] = kb, vb
     caches = build_caches(alloc, group_size, window, sinks)
-    # fused attention only when asked for (VELOXQUANT_FUSED=1) until the kernels have run on
-    # a GPU (KERNELS_DEFAULT)
+    # fused attention where VELOXQUANT_FUSED asks for it (auto: on a GPU; KERNELS_DEFAULT)
     attention.enable_for(model, caches, "kivi", auto=KERNELS_DEFAULT)
     return caches
 
