@@ -23,10 +23,9 @@ import copy
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
-import numpy as np
 
-from veloxquant import KVCacheConfig, attention, make_cache
-from _common import model_dtype, random_weights_model
+from veloxquant import KVCacheConfig, attention
+from _common import random_weights_model
 from bench_generate import decode_arguments, interleaved_decode, print_decode
 from bench_vecinfer import filled_caches
 
@@ -34,27 +33,6 @@ CONFIGS = {
     "kivi2": KVCacheConfig(method="kivi", bits=2, group_size=64),
     "mixed3": KVCacheConfig(method="ratequant", bits=3, uncalibrated=True, group_size=64),
 }
-
-
-def filled_kivi(model, config: KVCacheConfig, n_tokens: int, chunk: int = 8192) -> list:
-    """`filled_caches` for KIVI / RateQuant without its cost: the chunks go through the fused
-    update (it stores the same bits, and skips the transient path's dequantization of the
-    whole store at every chunk, which kept a 128K fill of the 8B shape from finishing in
-    five minutes), then the caches are put on the transient path."""
-    caches = make_cache(model, config)
-    a = model.args
-    rng = np.random.default_rng(0)
-    dtype = model_dtype(model)
-    for c in caches:
-        c.fused = True
-        for s in range(0, n_tokens, chunk):
-            m = min(chunk, n_tokens - s)
-            x = rng.normal(size=(1, a.num_key_value_heads, m, a.head_dim)).astype(np.float32)
-            c.update_and_fetch(mx.array(x).astype(dtype), mx.array(x).astype(dtype))
-            c._pending = None  # no attention for a fill
-        c.fused = False
-        mx.eval(c.state)
-    return caches
 
 
 def fused_copy(caches: list) -> list:
@@ -79,7 +57,7 @@ def main() -> None:
     for ctx in args.contexts:
         arms = {"fp16": (filled_caches(model, None, ctx), lambda: None)}
         for name, config in CONFIGS.items():
-            caches = filled_kivi(model, config, ctx)
+            caches = filled_caches(model, config, ctx, fused=True)
             arms[f"{name}_transient"] = (caches, lambda: None)
             arms[f"{name}_fused"] = (fused_copy(caches), lambda: None)
         result = interleaved_decode(model, arms, token, args.repeats, args.tokens)

@@ -99,22 +99,28 @@ def bench_kmeans(args, model) -> None:
     )
 
 
-def filled_caches(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 8192) -> list:
+def filled_caches(
+    model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 8192, fused: bool = False
+) -> list:
     # Large chunks: every chunk appends to the codes by concatenation, so a fill costs about
     # n_tokens^2 / chunk bytes of copies (at 128K tokens and 512-token chunks the fill did not
-    # finish in four minutes on an H200).
+    # finish in four minutes on an H200). fused=True (KIVI): the chunks go through the fused
+    # update, which stores the same bits without the transient path's dequantization of the
+    # whole store at every chunk (which kept a 128K fill of the 8B shape from finishing).
     a = model.args
     caches = make_cache(model, config) if config else [KVCache() for _ in model.layers]
     rng = np.random.default_rng(0)
     dtype = model_dtype(model)
     for c in caches:
-        c.fused = False  # filled without attention calls; the arm picks its path after
+        c.fused = fused  # filled without attention calls; the arm picks its path after
         for s in range(0, n_tokens, chunk):
             m = min(chunk, n_tokens - s)
             x = mx.array(
                 rng.normal(size=(1, a.num_key_value_heads, m, a.head_dim)).astype(np.float32)
             ).astype(dtype)
             c.update_and_fetch(x, x)
+            c._pending = None  # no attention for a fill
+        c.fused = False
         mx.eval([c.state for c in caches])
     return caches
 
