@@ -26,8 +26,8 @@ the attention) and `no_attention` skips the attention (the query stands in for i
 step without attention, which no cache can beat). On the CPU fused caches take the pure-MLX
 twin, which none of the swaps touches.
 
-With `--mma`, one more: `vecinfer_mma`, the one-launch kernel with its coded tokens on the
-tensor cores (`kernels.MMA`, off by default until measured here).
+With `--cuda-cores`, one more: `vecinfer_cuda_cores`, the one-launch kernel with its coded
+tokens on the CUDA cores (`kernels.MMA` off; the default puts them on the tensor cores).
 
 With `--profile`, cProfile of the host graph build of a few fused steps (top functions by own
 time).
@@ -169,9 +169,9 @@ def partial_only(a: dict, queries: mx.array) -> tuple[mx.array, None]:
     return part_o[: n_q * d].reshape(1, n_q, 1, d).astype(queries.dtype), None
 
 
-def use_kernels(fn=None, one_launch: bool = True, source_files: bool = True, mma: bool = False):
+def use_kernels(fn=None, one_launch: bool = True, source_files: bool = True, mma: bool = True):
     """An arm's select: the attention launches `fn` (default the real ones) with the kernels'
-    switches as given, the defaults being the default path but MMA off."""
+    switches as given, the defaults being the default path."""
     from veloxquant.methods.vecinfer import kernels
 
     real = kernels.launch_attention if fn is None else fn
@@ -201,7 +201,7 @@ def main() -> None:
     p = decode_arguments(__doc__, contexts=[4096, 16384], repeats=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--bounds", action="store_true", help="arms without the combine / attention")
-    p.add_argument("--mma", action="store_true", help="an arm with kernels.MMA on")
+    p.add_argument("--cuda-cores", action="store_true", help="an arm with kernels.MMA off")
     args = p.parse_args()
 
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
@@ -223,8 +223,9 @@ def main() -> None:
             arms[name], peaks[name] = (caches, lambda: None), mx.get_peak_memory()
         arms = {name: arms[name] for name in ("fp16", "vecinfer")}  # fp16 is the baseline
         arms["vecinfer"] = (arms["vecinfer"][0], use_kernels())
-        if args.mma:
-            arms["vecinfer_mma"] = (default_layout_caches(model, ctx), use_kernels(mma=True))
+        if args.cuda_cores:
+            cuda_cores = (default_layout_caches(model, ctx), use_kernels(mma=False))
+            arms["vecinfer_cuda_cores"] = cuda_cores
         if args.bounds:
             for name, (caches, select) in bound_arms(model, ctx).items():
                 arms[name] = (caches or arms[name][0], select)

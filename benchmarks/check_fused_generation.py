@@ -45,10 +45,12 @@ def main() -> None:
         action="store_true",
         help="update the fused caches by MLX operations instead of in place (WRITE_IN_PLACE off)",
     )
-    p.add_argument("--mma", action="store_true", help="coded tokens on the tensor cores (MMA)")
+    p.add_argument(
+        "--cuda-cores", action="store_true", help="coded tokens on the CUDA cores (MMA off)"
+    )
     args = p.parse_args()
     K.WRITE_IN_PLACE = not args.slice_updates
-    K.MMA = args.mma
+    K.MMA = not args.cuda_cores
     if args.model:
         model, _ = load_model(args.model)
         model.set_dtype(getattr(mx, args.dtype))

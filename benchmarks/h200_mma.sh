@@ -1,48 +1,41 @@
 #!/usr/bin/env bash
-# The tensor-core path's GPU checks and timings (benchmarks/results/mma-tiles-cpu.md), in two
-# device calls of under 10 minutes each, run from the repository root with MLX's CUDA backend:
+# The tensor-core path's GPU checks and timings (benchmarks/results/mma-h200.txt), in two device
+# calls of under 10 minutes each, run from the repository root with MLX's CUDA backend:
 #
 #   bash benchmarks/h200_mma.sh steps   # per layer step: outputs and codes against the CUDA
 #                                       # cores, then times; launch bounds 4 against none
-#   bash benchmarks/h200_mma.sh e2e     # greedy tokens, tokens/s against fp16, in-step ncu
+#   bash benchmarks/h200_mma.sh e2e     # greedy tokens, tokens/s against fp16 and the CUDA cores
 #
-# Outputs go to $OUT (default /tmp/out). `MMA` is off in the tree, so the A/Bs run this tree's
-# kernels.py against a copy with it on; the stages that need it on in the tree itself edit the
-# working copy and put it back.
+# Outputs go to $OUT (default /tmp/out). `MMA` is on in the tree, so the A/Bs run this tree's
+# kernels.py against copies with it off, or with no launch bounds.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/benchmarks"
 K=veloxquant/methods/vecinfer/kernels.py
-sed 's/^MMA = False$/MMA = True/' "$K" > /tmp/mma4_kernels.py
-sed 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 0/' /tmp/mma4_kernels.py > /tmp/mma0_kernels.py
-cp "$K" /tmp/tree_kernels.py
-trap 'cp /tmp/tree_kernels.py "$K"' EXIT
+grep -q '^MMA = True$' "$K" || { echo "expected MMA = True in $K" >&2; exit 2; }
+sed 's/^MMA = True$/MMA = False/' "$K" > /tmp/cuda_cores_kernels.py
+sed 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 0/' "$K" > /tmp/mma0_kernels.py
 case "${1:-}" in
 steps)
-  echo "== CUDA cores (this tree) against the tensor cores (baseline), per layer step"
-  timeout 300 python benchmarks/ab_kernel_revisions.py --baseline /tmp/mma4_kernels.py --steps \
-    --contexts 4096 16384 65536 131072 --repeats 10 2>&1 | tee "$OUT/steps_mma.txt"
+  echo "== tensor cores (this tree) against the CUDA cores (baseline), per layer step"
+  timeout 240 python benchmarks/ab_kernel_revisions.py --baseline /tmp/cuda_cores_kernels.py \
+    --steps --contexts 4096 16384 65536 131072 --repeats 8 2>&1 | tee "$OUT/steps_mma.txt"
   echo "== tensor cores: launch bounds for 4 threadgroups (this tree) against none (baseline)"
-  cp /tmp/mma4_kernels.py "$K"
-  timeout 200 python benchmarks/ab_kernel_revisions.py --baseline /tmp/mma0_kernels.py --steps \
-    --contexts 65536 131072 --repeats 8 2>&1 | tee "$OUT/steps_bounds.txt"
+  timeout 150 python benchmarks/ab_kernel_revisions.py --baseline /tmp/mma0_kernels.py --steps \
+    --contexts 65536 131072 --repeats 6 2>&1 | tee "$OUT/steps_bounds.txt"
   ;;
 e2e)
-  echo "== greedy tokens, fused on the tensor cores against transient"
-  timeout 120 python benchmarks/check_fused_generation.py --mma \
+  echo "== greedy tokens, fused (tensor cores) against transient"
+  timeout 100 python benchmarks/check_fused_generation.py \
     --random-weights benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/check_mma.txt"
-  echo "== tokens/s: fp16, CUDA cores, tensor cores"
-  timeout 330 python benchmarks/bench_generate.py --mma --dtype bfloat16 \
-    --random-weights benchmarks/configs/llama3-8b.json --contexts 16384 65536 131072 \
-    --repeats 3 2>&1 | tee "$OUT/generate_mma.txt"
-  echo "== in-step GPU time at 64K, tensor cores"
-  cp /tmp/mma4_kernels.py "$K"
-  timeout 140 ncu --profile-from-start off --clock-control none --cache-control none \
-    --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step_mma_65536.csv" \
-    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
-    --context 65536 --repeats 2 > "$OUT/step_mma_65536.txt" 2>&1
-  python benchmarks/profile_decode_step.py --parse "$OUT/step_mma_65536.csv" 2>&1 | head -30
+  echo "== tokens/s: fp16, tensor cores (default), CUDA cores; 8B then 1B shape"
+  timeout 300 python benchmarks/bench_generate.py --cuda-cores --dtype bfloat16 \
+    --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 16384 65536 131072 \
+    --repeats 3 2>&1 | tee "$OUT/generate_8b.txt"
+  timeout 120 python benchmarks/bench_generate.py --cuda-cores --dtype bfloat16 \
+    --random-weights benchmarks/configs/llama3-1b.json --contexts 4096 16384 65536 \
+    --repeats 3 2>&1 | tee "$OUT/generate_1b.txt"
   ;;
 *)
   echo "usage: bash benchmarks/h200_mma.sh steps|e2e" >&2

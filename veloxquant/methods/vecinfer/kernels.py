@@ -765,9 +765,11 @@ _PARTIAL_BODY = (
 # 8 + 2 l4 + {0, 1} of chunk c are dims KSD l4 + 4c + {0, 1, 2, 3}); values, eighth
 # quad = lane / 4 (A's rows quad and quad + 8 of row-block b are dims VSD quad + 2b + {0, 1}).
 # Each SIMD group keeps its own running max and sum over its blocks (no barrier per tile but
-# the phase coefficients'), and the SIMD groups merge once per split. Off by default until it
-# has run on a GPU: it is checked in CPU emulation only (benchmarks/results/mma-tiles-cpu.md).
-MMA = False
+# the phase coefficients'), and the SIMD groups merge once per split. On by default: on an H200
+# it writes the CUDA cores' codes and window to the bit, its outputs within one bf16 step of
+# theirs, and a layer's step is faster from 64K on (benchmarks/results/mma-h200.txt); False
+# puts the coded tokens back on the CUDA cores.
+MMA = True
 MMA_VALUE_BOOK_BYTES = 16384  # the f16 value codebook's copies (8 copies of a d4b8 book)
 # Threadgroups per multiprocessor the compiler must fit (CUDA `__launch_bounds__`): left to
 # itself it took 136 registers for the default layout (3 threadgroups on an H200), 4 needs 128
