@@ -739,6 +739,23 @@ def test_threadgroup_bytes_are_those_of_the_generated_sources(changes, monkeypat
         assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD, True)
 
 
+def test_the_tensor_cores_follow_the_switch_and_the_threadgroup_limit(monkeypatch):
+    """mma_takes is memoised (a decode step asks per layer); the answer still follows MMA and
+    CUDA's threadgroup limit as they change."""
+    lay = K.Layout(128, 8, 4, 6, 2, 8, 4, 64, 1, True, True, True, True, False)
+    r = K.TOKENS_PER_THREAD
+    monkeypatch.setattr(K, "MMA", True)
+    assert K.mma_takes(lay, r)
+    need = K.mma_bytes(lay, r)
+    monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", need - 1)
+    assert not K.mma_takes(lay, r)
+    monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", need)
+    assert K.mma_takes(lay, r)
+    assert not K.mma_takes(dataclasses.replace(lay, group=16), r)  # more heads than mma's N
+    monkeypatch.setattr(K, "MMA", False)
+    assert not K.mma_takes(lay, r)
+
+
 def test_layouts_over_the_threadgroup_limit_are_refused(monkeypatch):
     import veloxquant.kernels as vk
 

@@ -1646,13 +1646,22 @@ def mma_takes(lay: Layout, r: int | None = None) -> bool:
     MMA on, head_dim a multiple of 16, at most 8 query heads per KV head (mma's N) and its
     threadgroup arrays within CUDA's limit. It reads whole 16-token blocks of code rows, so the
     code buffers' capacity must be a multiple of 16 (the cache grows them by CODE_STEP)."""
+    if not MMA:
+        return False
     r = TOKENS_PER_THREAD if r is None else r
-    return (
-        MMA
-        and lay.head_dim % 16 == 0
-        and lay.group <= 8
-        and mma_bytes(lay, r) <= THREADGROUP_LIMIT["cuda"]
-    )
+    # memoised: a decode step asks once per layer, and mma_bytes costs the host ~8 us (the
+    # module constants it reads are in the key, as tests change them)
+    key = (lay, r, TILE, THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES)
+    if key not in _MMA_TAKES:
+        _MMA_TAKES[key] = (
+            lay.head_dim % 16 == 0
+            and lay.group <= 8
+            and mma_bytes(lay, r) <= THREADGROUP_LIMIT["cuda"]
+        )
+    return _MMA_TAKES[key]
+
+
+_MMA_TAKES: dict[tuple, bool] = {}
 
 
 def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
@@ -2158,6 +2167,7 @@ def clear_memos(caches: list = ()) -> None:
     benchmarks that swap a kernel body or TILE and rebuild."""
     _SOURCES.clear()
     _CONSTS.clear()
+    _MMA_TAKES.clear()
     _one_launch_fits.cache_clear()
     for c in caches:
         c.__dict__.pop("_kernel_memo", None)
