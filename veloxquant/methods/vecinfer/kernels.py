@@ -1168,13 +1168,27 @@ ENCODE
   }
 """
 
+# The Walsh-Hadamard butterfly over s_x[D] in place (unnormalised), by threads d < D / 2; every
+# thread of the threadgroup takes part in its barriers.
+_HADAMARD = """    for (int len = 1; len < D; len <<= 1) {
+      if (d < D / 2) {
+        const int i = (d / len) * 2 * len + (d % len);
+        const float a = s_x[i], b = s_x[i + len];
+        s_x[i] = a + b;
+        s_x[i + len] = a - b;
+      }
+      VQ_BARRIER();
+    }
+"""
+
 # The combine's statements, one query head per threadgroup of D threads (its one threadgroup
 # array, s_x[D], is declared by the caller: the combine alone, or the combine with the encoder,
 # which shares it). The one-launch kernel merges a KV head's G query heads at once instead
 # (_COMBINE_HEADS); the two launches (Metal's path) keep this one, which timed faster per head
 # on the H200 than the G-head merge run with one head
 # (benchmarks/results/one-launch-per-layer-h200.txt).
-_COMBINE_ONE_HEAD = """
+_COMBINE_ONE_HEAD = (
+    """
   const int T = iparams[0];
   const int tps = iparams[2];
   const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;
@@ -1205,21 +1219,15 @@ _COMBINE_ONE_HEAD = """
   s_x[d] = acc;
   VQ_BARRIER();
   if (VHAD) {
-    for (int len = 1; len < D; len <<= 1) {
-      if (d < D / 2) {
-        const int i = (d / len) * 2 * len + (d % len);
-        const float a = s_x[i], b = s_x[i + len];
-        s_x[i] = a + b;
-        s_x[i + len] = a - b;
-      }
-      VQ_BARRIER();
-    }
-  }
+"""
+    + _HADAMARD
+    + """  }
   float v = s_x[d] * (VHAD ? INV_SQRT_D : 1.0f);
   if (VSMOOTH) v *= static_cast<float>(value_smooth[h * D + d]);
   if (VMEAN) v += static_cast<float>(value_mean[h * D + d]) * lc;
   out[hq * D + d] = static_cast<OUT_T>((v + of) / (lc + lf));
 """
+)
 
 # The one-launch kernel's combine: its threadgroup of CNT threads (a multiple of D) merges the
 # splits of the CNH query heads from COMBINE_FIRST (a KV head's G), D threads per head (slot
@@ -1408,6 +1416,27 @@ def _nearest(side: str) -> str:
     return re.sub(r"\b(NM|NSD|NS|NCODES)\b", lambda m: names[m.group(1)], _NEAREST)
 
 
+def _scaled_hadamard(flag: str) -> str:
+    """The orthonormal Hadamard of s_x where the compile-time `flag` is set."""
+    scale = "    if (d < D) s_x[d] *= INV_SQRT_D;\n    VQ_BARRIER();\n"
+    return f"  if ({flag}) {{\n{_HADAMARD}{scale}  }}\n"
+
+
+def _pack_codes(side: str, dst: str) -> str:
+    """Statements packing s_code's sub-vector codes (`side`M of `side`B bits) little-endian into
+    the `side`BYTES bytes of row CODE_ROW of `dst`."""
+    m, b, nbytes = side + "M", side + "B", side + "BYTES"
+    return f"""  for (int b = d; d < D && b < {nbytes}; b += D) {{
+    uint byte = 0;
+    for (int k = 0; k < 8; ++k) {{
+      const int p = 8 * b + k;
+      if (p < {m} * {b}) byte |= ((s_code[p / {b}] >> (p % {b})) & 1u) << k;
+    }}
+    {dst}[CODE_ROW * {nbytes} + b] = (uint8_t)byte;
+  }}
+"""
+
+
 # The encoder's threadgroup arrays (at function scope, as Metal requires) and its statements;
 # EP is where its four parameters start in iparams, ENC_TOKEN / ENC_HEAD which (token, KV head)
 # a threadgroup encodes: the grid's x / y in the encoder alone, and the threadgroups after the
@@ -1456,30 +1485,11 @@ _ENCODE_MAIN = (
   }
   }
   VQ_BARRIER();
-  if (HAD) {
-    for (int len = 1; len < D; len <<= 1) {
-      if (d < D / 2) {
-        const int i = (d / len) * 2 * len + (d % len);
-        const float a = s_x[i], b = s_x[i + len];
-        s_x[i] = a + b;
-        s_x[i + len] = a - b;
-      }
-      VQ_BARRIER();
-    }
-    if (d < D) s_x[d] *= INV_SQRT_D;
-    VQ_BARRIER();
-  }
 """
+    + _scaled_hadamard("HAD")
     + _nearest("K")
-    + """  for (int b = d; d < D && b < KBYTES; b += D) {
-    uint byte = 0;
-    for (int k = 0; k < 8; ++k) {
-      const int p = 8 * b + k;
-      if (p < KM * KB) byte |= ((s_code[p / KB] >> (p % KB)) & 1u) << k;
-    }
-    KEY_DST[CODE_ROW * KBYTES + b] = (uint8_t)byte;
-  }
-  VQ_BARRIER();
+    + _pack_codes("K", "KEY_DST")
+    + """  VQ_BARRIER();
 
   // values: v - mu_v, then (when calibrated so) / lambda_v and Hadamard
   if (d < D) {
@@ -1494,30 +1504,10 @@ _ENCODE_MAIN = (
   }
   }
   VQ_BARRIER();
-  if (VHAD) {
-    for (int len = 1; len < D; len <<= 1) {
-      if (d < D / 2) {
-        const int i = (d / len) * 2 * len + (d % len);
-        const float a = s_x[i], b = s_x[i + len];
-        s_x[i] = a + b;
-        s_x[i + len] = a - b;
-      }
-      VQ_BARRIER();
-    }
-    if (d < D) s_x[d] *= INV_SQRT_D;
-    VQ_BARRIER();
-  }
 """
+    + _scaled_hadamard("VHAD")
     + _nearest("V")
-    + """  for (int b = d; d < D && b < VBYTES; b += D) {
-    uint byte = 0;
-    for (int k = 0; k < 8; ++k) {
-      const int p = 8 * b + k;
-      if (p < VM * VB) byte |= ((s_code[p / VB] >> (p % VB)) & 1u) << k;
-    }
-    VALUE_DST[CODE_ROW * VBYTES + b] = (uint8_t)byte;
-  }
-"""
+    + _pack_codes("V", "VALUE_DST")
 )
 
 # Component i of a float / float2 / float4 (i a constant after unrolling).
