@@ -1641,7 +1641,7 @@ def mma_takes(lay: Layout, r: int | None = None) -> bool:
     r = TOKENS_PER_THREAD if r is None else r
     # memoised: a decode step asks once per layer, and mma_bytes costs the host ~8 us (the
     # module constants it reads are in the key, as tests change them)
-    key = (lay, r, TILE, THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES)
+    key = (lay, r, TILE, COMBINE_CHUNK, THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES)
     if key not in _MMA_TAKES:
         _MMA_TAKES[key] = (
             lay.head_dim % 16 == 0
