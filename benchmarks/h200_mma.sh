@@ -5,6 +5,8 @@
 #   bash benchmarks/h200_mma.sh steps   # per layer step: outputs and codes against the CUDA
 #                                       # cores, then times; launch bounds 4 against none
 #   bash benchmarks/h200_mma.sh e2e     # greedy tokens, tokens/s against fp16 and the CUDA cores
+#   bash benchmarks/h200_mma.sh splits  # ncu: the kernel's GPU time against the CUDA cores', and
+#                                       # against smaller splits at 16K / one exact wave at 64K+
 #
 # Outputs go to $OUT (default /tmp/out). `MMA` is on in the tree, so the A/Bs run this tree's
 # kernels.py against copies with it off, or with no launch bounds.
@@ -37,8 +39,25 @@ e2e)
     --random-weights benchmarks/configs/llama3-1b.json --contexts 4096 16384 65536 \
     --repeats 3 2>&1 | tee "$OUT/generate_1b.txt"
   ;;
+splits)
+  # per context ncu sees 14 launches: baseline x4, this tree x4 (the one-step check), then
+  # baseline x3, this tree x3 (cold caches, as inside a decode step)
+  sed 's/^MIN_SPLIT = 512$/MIN_SPLIT = 256/' "$K" > /tmp/split256_kernels.py
+  sed 's/^TARGET_GROUPS = 528$/TARGET_GROUPS = 520/' "$K" > /tmp/groups520_kernels.py
+  for spec in "cuda_cores 16384 65536" "split256 16384" "groups520 65536 131072"; do
+    set -- $spec
+    name=$1
+    shift
+    echo "== ncu: this tree against $name, contexts $*"
+    timeout 120 ncu --clock-control none --cache-control all -k regex:attn_ \
+      --metrics gpu__time_duration.sum,launch__grid_size \
+      python benchmarks/ab_kernel_revisions.py --baseline "/tmp/${name}_kernels.py" --steps \
+      --calls 3 --contexts "$@" > "$OUT/ncu_$name.txt" 2>&1
+    grep -E "^context|gpu__time_duration|launch__grid_size" "$OUT/ncu_$name.txt"
+  done
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mma.sh steps|e2e" >&2
+  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits" >&2
   exit 2
   ;;
 esac
