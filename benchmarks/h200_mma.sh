@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The tensor-core path's GPU checks and timings (benchmarks/results/mma-h200.txt), in two device
-# calls of under 10 minutes each, run from the repository root with MLX's CUDA backend:
+# The tensor-core path's GPU checks and timings (benchmarks/results/mma-h200.txt, mma-h100.txt), one device call
+# each of under 10 minutes, run from the repository root with MLX's CUDA backend:
 #
 #   bash benchmarks/h200_mma.sh steps   # per layer step: outputs and codes against the CUDA
 #                                       # cores, then times; launch bounds 4 against none
