@@ -6,7 +6,8 @@
 #                                       # cores, then times; launch bounds 4 against none
 #   bash benchmarks/h200_mma.sh e2e     # greedy tokens, tokens/s against fp16 and the CUDA cores
 #   bash benchmarks/h200_mma.sh splits  # ncu: the kernel's GPU time against the CUDA cores', and
-#                                       # against smaller splits at 16K / one exact wave at 64K+
+#                                       # against smaller splits at 16K / two waves at 64K+; then
+#                                       # the full ncu sections of both kernels at 64K
 #
 # Outputs go to $OUT (default /tmp/out). `MMA` is on in the tree, so the A/Bs run this tree's
 # kernels.py against copies with it off, or with no launch bounds.
@@ -43,8 +44,10 @@ splits)
   # per context ncu sees 14 launches: baseline x4, this tree x4 (the one-step check), then
   # baseline x3, this tree x3 (cold caches, as inside a decode step)
   sed 's/^MIN_SPLIT = 512$/MIN_SPLIT = 256/' "$K" > /tmp/split256_kernels.py
-  sed 's/^TARGET_GROUPS = 528$/TARGET_GROUPS = 520/' "$K" > /tmp/groups520_kernels.py
-  for spec in "cuda_cores 16384 65536" "split256 16384" "groups520 65536 131072"; do
+  # 528 already gives 64 splits (520 threadgroups, one wave) from 64K up, as split_tokens rounds
+  # a split to whole tiles; 1056 tries two waves of half as many tokens each
+  sed 's/^TARGET_GROUPS = 528$/TARGET_GROUPS = 1056/' "$K" > /tmp/groups1056_kernels.py
+  for spec in "cuda_cores 16384 65536" "split256 16384" "groups1056 65536 131072"; do
     set -- $spec
     name=$1
     shift
@@ -55,6 +58,14 @@ splits)
       --calls 3 --contexts "$@" > "$OUT/ncu_$name.txt" 2>&1
     grep -E "^context|gpu__time_duration|launch__grid_size" "$OUT/ncu_$name.txt"
   done
+  # launches 11 and 12 of 14 (see above): the last timed CUDA-cores call, the first tensor-cores one
+  echo "== ncu --set full: the CUDA cores' (first) and the tensor cores' (second) step at 64K"
+  timeout 150 ncu --clock-control none --cache-control all -k regex:attn_ --set full \
+    --launch-skip 10 --launch-count 2 --page details \
+    python benchmarks/ab_kernel_revisions.py --baseline /tmp/cuda_cores_kernels.py --steps \
+    --calls 3 --contexts 65536 > "$OUT/ncu_full_64k.txt" 2>&1
+  grep -E "attn_|Duration|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|Warp Cycles Per Issued|Issued Ipc|Compute \(SM\) Throughput" \
+    "$OUT/ncu_full_64k.txt" | head -60
   ;;
 *)
   echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits" >&2

@@ -22,6 +22,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
+from veloxquant import attention
+
 # The KVCacheConfig fields a method may read besides `method`, `artifact_dir`, `uncalibrated`,
 # `strict` and `options`; a method lists the ones it uses in `Method.fields`, and make_cache
 # refuses a config that sets any other (so a knob is never silently ignored).
@@ -234,6 +236,17 @@ class CompressedCache(_BaseCache):
     def compressed_tokens(self) -> int:
         """Tokens held coded or evicted rather than at full precision (for stats and tests)."""
         raise NotImplementedError
+
+    def _check_no_pending(self) -> None:
+        """Refuse an update while the previous fused update's attention never ran.
+
+        A fused update leaves `_pending` (what its attention must read) for the attention call
+        that follows it; a second update first means the caller bypassed the dispatch. Here the
+        update itself is already complete (store and window advanced), so only the marker goes;
+        a cache whose update is finished by its attention overrides this."""
+        if getattr(self, "_pending", None) is not None:
+            self._pending = None
+            raise attention.unattended_update(self)
 
 
 def take_sinks(

@@ -40,7 +40,6 @@ import mlx_lm.models.cache as mlx_cache
 from mlx import nn
 from mlx_lm.models.cache import create_attention_mask
 
-from veloxquant import attention
 from veloxquant.codes import pq_decode, pq_encode
 from veloxquant.methods.base import CompressedCache, ModelDims, pack_state, take_sinks, unpack_state
 from veloxquant.methods.commvq import codebook as cb
@@ -410,11 +409,6 @@ class CommVQCache(CompressedCache):
         past at a time; no GPU kernel yet) or "transient" (the whole coded past decoded, then
         mlx-lm's attention)."""
         return "reference" if self.fused else "transient"
-
-    def _check_no_pending(self) -> None:
-        if self._pending is not None:
-            self._pending = None
-            raise attention.unattended_update(self)
 
     def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._check_no_pending()

@@ -510,13 +510,6 @@ class KIVICache(CompressedCache):
         n_q = self._n_q_heads or self.head_bits.shape[0]
         return "kernel" if kernels.kernels_take(self, n_q) else "reference"
 
-    def _check_no_pending(self) -> None:
-        if self._pending is not None:
-            # the update itself is complete (the store and window are already advanced); only
-            # its attention never ran
-            self._pending = None
-            raise attention.unattended_update(self)
-
     def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._check_no_pending()
         self._set_head_dim(keys)
