@@ -6,7 +6,7 @@
 #                                       # cores, then times; launch bounds 4 against none
 #   bash benchmarks/h200_mma.sh e2e     # greedy tokens, tokens/s against fp16 and the CUDA cores
 #   bash benchmarks/h200_mma.sh splits  # ncu: the kernel's GPU time against the CUDA cores', and
-#                                       # against smaller splits at 16K / two waves at 64K+; then
+#                                       # against smaller splits at 16K / two waves at 64K; then
 #                                       # the full ncu sections of both kernels at 64K
 #
 # Outputs go to $OUT (default /tmp/out). `MMA` is on in the tree, so the A/Bs run this tree's
@@ -47,7 +47,7 @@ splits)
   # 528 already gives 64 splits (520 threadgroups, one wave) from 64K up, as split_tokens rounds
   # a split to whole tiles; 1056 tries two waves of half as many tokens each
   sed 's/^TARGET_GROUPS = 528$/TARGET_GROUPS = 1056/' "$K" > /tmp/groups1056_kernels.py
-  for spec in "cuda_cores 16384 65536" "split256 16384" "groups1056 65536 131072"; do
+  for spec in "cuda_cores 16384 65536" "split256 16384" "groups1056 65536"; do
     set -- $spec
     name=$1
     shift
