@@ -19,6 +19,17 @@ K=veloxquant/methods/vecinfer/kernels.py
 grep -q '^MMA = True$' "$K" || { echo "expected MMA = True in $K" >&2; exit 2; }
 sed 's/^MMA = True$/MMA = False/' "$K" > /tmp/cuda_cores_kernels.py
 sed 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 0/' "$K" > /tmp/mma0_kernels.py
+# ncu's GPU time and grid of this tree's step kernel against /tmp/<name>_kernels.py's, per context
+ncu_times() {
+  name=$1
+  shift
+  echo "== ncu: this tree against $name, contexts $*"
+  timeout 120 ncu --clock-control none --cache-control all -k regex:attn_ \
+    --metrics gpu__time_duration.sum,launch__grid_size \
+    python benchmarks/ab_kernel_revisions.py --baseline "/tmp/${name}_kernels.py" --steps \
+    --calls 3 --contexts "$@" > "$OUT/ncu_$name.txt" 2>&1
+  grep -E "^context|gpu__time_duration|launch__grid_size" "$OUT/ncu_$name.txt"
+}
 case "${1:-}" in
 steps)
   echo "== tensor cores (this tree) against the CUDA cores (baseline), per layer step"
@@ -47,17 +58,8 @@ splits)
   # 528 already gives 64 splits (520 threadgroups, one wave) from 64K up, as split_tokens rounds
   # a split to whole tiles; 1056 tries two waves of half as many tokens each
   sed 's/^TARGET_GROUPS = 528$/TARGET_GROUPS = 1056/' "$K" > /tmp/groups1056_kernels.py
-  for spec in "cuda_cores 16384 65536" "split256 16384" "groups1056 65536"; do
-    set -- $spec
-    name=$1
-    shift
-    echo "== ncu: this tree against $name, contexts $*"
-    timeout 120 ncu --clock-control none --cache-control all -k regex:attn_ \
-      --metrics gpu__time_duration.sum,launch__grid_size \
-      python benchmarks/ab_kernel_revisions.py --baseline "/tmp/${name}_kernels.py" --steps \
-      --calls 3 --contexts "$@" > "$OUT/ncu_$name.txt" 2>&1
-    grep -E "^context|gpu__time_duration|launch__grid_size" "$OUT/ncu_$name.txt"
-  done
+  ncu_times cuda_cores 16384 65536
+  ncu_times split256 16384
   # launches 11 and 12 of 14 (see above): the last timed CUDA-cores call, the first tensor-cores one
   echo "== ncu --set full: the CUDA cores' (first) and the tensor cores' (second) step at 64K"
   timeout 150 ncu --clock-control none --cache-control all -k regex:attn_ --set full \
@@ -66,6 +68,7 @@ splits)
     --calls 3 --contexts 65536 > "$OUT/ncu_full_64k.txt" 2>&1
   grep -E "attn_|Duration|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|Warp Cycles Per Issued|Issued Ipc|Compute \(SM\) Throughput" \
     "$OUT/ncu_full_64k.txt" | head -60
+  ncu_times groups1056 65536
   ;;
 *)
   echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits" >&2
