@@ -8,6 +8,8 @@
 #   bash benchmarks/h200_mma.sh splits  # ncu: the kernel's GPU time against the CUDA cores', and
 #                                       # against smaller splits at 16K / two waves at 64K; then
 #                                       # the full ncu sections of both kernels at 64K
+#   bash benchmarks/h200_mma.sh step    # ncu: every kernel of a whole decode step at 16K, fp16
+#                                       # against the fused caches; then MIN_SPLIT 256 at 16K
 #
 # Outputs go to $OUT (default /tmp/out). `MMA` is on in the tree, so the A/Bs run this tree's
 # kernels.py against copies with it off, or with no launch bounds.
@@ -19,12 +21,15 @@ K=veloxquant/methods/vecinfer/kernels.py
 grep -q '^MMA = True$' "$K" || { echo "expected MMA = True in $K" >&2; exit 2; }
 sed 's/^MMA = True$/MMA = False/' "$K" > /tmp/cuda_cores_kernels.py
 sed 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 0/' "$K" > /tmp/mma0_kernels.py
-# ncu's GPU time and grid of this tree's step kernel against /tmp/<name>_kernels.py's, per context
+# ncu's GPU time and grid of this tree's step kernel against /tmp/<name>_kernels.py's, per context.
+# Clocks locked at base: with them free (--clock-control none, the first run of `splits`), a
+# launch after a host gap ran 4-8x slower than the same launch back to back (the GPU idling down),
+# which swamped the A/Bs.
 ncu_times() {
   name=$1
   shift
   echo "== ncu: this tree against $name, contexts $*"
-  timeout 120 ncu --clock-control none --cache-control all -k regex:attn_ \
+  timeout 120 ncu --clock-control base --cache-control all -k regex:attn_ \
     --metrics gpu__time_duration.sum,launch__grid_size \
     python benchmarks/ab_kernel_revisions.py --baseline "/tmp/${name}_kernels.py" --steps \
     --calls 3 --contexts "$@" > "$OUT/ncu_$name.txt" 2>&1
@@ -70,8 +75,18 @@ splits)
     "$OUT/ncu_full_64k.txt" | head -60
   ncu_times groups1056 65536
   ;;
+step)
+  # every kernel of a whole decode step at 16K, fp16 against the fused caches (tensor cores):
+  # where the 16K step loses while its attention kernel is no slower than fp16's
+  timeout 330 ncu --profile-from-start off --clock-control base --cache-control none \
+    --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step16k.csv" \
+    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+    --context 16384 --repeats 3 2>&1 | tee "$OUT/step16k.txt"
+  python benchmarks/profile_decode_step.py --parse "$OUT/step16k.csv" | tee "$OUT/step16k_parsed.txt"
+  ncu_times split256 16384
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits" >&2
+  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step" >&2
   exit 2
   ;;
 esac
