@@ -237,6 +237,9 @@ class CompressedCache(_BaseCache):
         """Tokens held coded or evicted rather than at full precision (for stats and tests)."""
         raise NotImplementedError
 
+    # what a fused update leaves for the attention call that follows it (None: nothing pending)
+    _pending: dict | None = None
+
     def _check_no_pending(self) -> None:
         """Refuse an update while the previous fused update's attention never ran.
 
@@ -244,7 +247,7 @@ class CompressedCache(_BaseCache):
         that follows it; a second update first means the caller bypassed the dispatch. Here the
         update itself is already complete (store and window advanced), so only the marker goes;
         a cache whose update is finished by its attention overrides this."""
-        if getattr(self, "_pending", None) is not None:
+        if self._pending is not None:
             self._pending = None
             raise attention.unattended_update(self)
 
