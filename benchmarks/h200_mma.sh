@@ -10,6 +10,10 @@
 #                                       # the full ncu sections of both kernels at 64K
 #   bash benchmarks/h200_mma.sh step    # ncu: every kernel of a whole decode step at 16K, fp16
 #                                       # against the fused caches; then MIN_SPLIT 256 at 16K
+#   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
+#                                       # (when each SM is busy), as is and with two waves; then
+#                                       # ncu inside real decode steps at 64K and 16K, this tree
+#                                       # against two waves, 3 groups per SM, MIN_SPLIT 256
 #
 # Outputs go to $OUT (default /tmp/out). `MMA` is on in the tree, so the A/Bs run this tree's
 # kernels.py against copies with it off, or with no launch bounds.
@@ -21,6 +25,13 @@ K=veloxquant/methods/vecinfer/kernels.py
 grep -q '^MMA = True$' "$K" || { echo "expected MMA = True in $K" >&2; exit 2; }
 sed 's/^MMA = True$/MMA = False/' "$K" > /tmp/cuda_cores_kernels.py
 sed 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 0/' "$K" > /tmp/mma0_kernels.py
+sed 's/^MIN_SPLIT = 512$/MIN_SPLIT = 256/' "$K" > /tmp/split256_kernels.py
+# 528 already gives 64 splits (520 threadgroups, one wave) from 64K up, as split_tokens rounds
+# a split to whole tiles; 1056 tries two waves of half as many tokens each
+sed 's/^TARGET_GROUPS = 528$/TARGET_GROUPS = 1056/' "$K" > /tmp/groups1056_kernels.py
+# no launch bounds below 3 groups per SM (136 registers, no spills) and one wave of them
+sed -e 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 3/' \
+  -e 's/^TARGET_GROUPS = 528$/TARGET_GROUPS = 396/' "$K" > /tmp/bounds3_kernels.py
 # ncu's GPU time and grid of this tree's step kernel against /tmp/<name>_kernels.py's, per context.
 # Clocks locked at base: with them free (--clock-control none, the first run of `splits`), a
 # launch after a host gap ran 4-8x slower than the same launch back to back (the GPU idling down),
@@ -59,10 +70,6 @@ e2e)
 splits)
   # per context ncu sees 14 launches: baseline x4, this tree x4 (the one-step check), then
   # baseline x3, this tree x3 (cold caches, as inside a decode step)
-  sed 's/^MIN_SPLIT = 512$/MIN_SPLIT = 256/' "$K" > /tmp/split256_kernels.py
-  # 528 already gives 64 splits (520 threadgroups, one wave) from 64K up, as split_tokens rounds
-  # a split to whole tiles; 1056 tries two waves of half as many tokens each
-  sed 's/^TARGET_GROUPS = 528$/TARGET_GROUPS = 1056/' "$K" > /tmp/groups1056_kernels.py
   ncu_times cuda_cores 16384 65536
   ncu_times split256 16384
   # launches 11 and 12 of 14 (see above): the last timed CUDA-cores call, the first tensor-cores one
@@ -85,8 +92,32 @@ step)
   python benchmarks/profile_decode_step.py --parse "$OUT/step16k.csv" | tee "$OUT/step16k_parsed.txt"
   ncu_times split256 16384
   ;;
+tail)
+  echo "== the one-launch kernel's threadgroups, timed from inside: as is, then two waves"
+  timeout 120 python benchmarks/profile_partial_kernel.py timeline-one 2>&1 | tee "$OUT/timeline.txt"
+  timeout 90 python benchmarks/profile_partial_kernel.py timeline-one --contexts 65536 131072 \
+    --constants TARGET_GROUPS=1056 2>&1 | tee "$OUT/timeline_1056.txt"
+  timeout 90 python benchmarks/profile_partial_kernel.py timeline-one --contexts 65536 \
+    --constants MMA_MIN_THREADGROUPS=3 TARGET_GROUPS=396 2>&1 | tee "$OUT/timeline_bounds3.txt"
+  # real decode steps, each arm on fused caches of its own; clocks locked, caches as they are
+  for ctx in 65536 16384; do
+    if [ "$ctx" = 65536 ]; then
+      arms=(--baseline groups1056=/tmp/groups1056_kernels.py --baseline bounds3=/tmp/bounds3_kernels.py)
+    else
+      arms=(--baseline split256=/tmp/split256_kernels.py)
+    fi
+    echo "== ncu inside real decode steps at $ctx: fp16, this tree, ${arms[*]}"
+    timeout 200 ncu --profile-from-start off --clock-control base --cache-control none \
+      --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step$ctx.csv" \
+      python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+      --context "$ctx" --repeats 2 --steps 3 "${arms[@]}" > "$OUT/step$ctx.txt" 2>&1
+    tail -3 "$OUT/step$ctx.txt"
+    python benchmarks/profile_decode_step.py --parse "$OUT/step$ctx.csv" --steps 3 "${arms[@]}" \
+      | tee "$OUT/step${ctx}_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
+  done
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step" >&2
+  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail" >&2
   exit 2
   ;;
 esac

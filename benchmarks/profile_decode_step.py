@@ -15,6 +15,10 @@ Without ncu it prints the synchronous step's wall time per arm (interleaved repe
 what the GPU time per step is set against. `--parse` prints, per arm, the GPU time of a step
 (the sum of its kernels' durations), the kernel count, and the kernels grouped by name, largest
 first.
+
+`--baseline NAME=KERNELS_PY` (repeatable) adds an arm per other revision of
+veloxquant/methods/vecinfer/kernels.py, on fused caches of its own: the A/B of a kernel change
+inside real decode steps (give `--parse` the same `--baseline` names).
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from collections import defaultdict
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
+import veloxquant.methods.vecinfer as vecinfer
 from _common import fmt, random_weights_model
-from bench_generate import build_and_step, fp16_and_fused_caches
+from ab_kernel_revisions import load_baseline, switch
+from bench_generate import build_and_step, default_layout_caches, fp16_and_fused_caches
 
 MARKER = "vq_step_marker"
-ARMS = ("fp16", "vecinfer")  # in the order they are profiled
+ARMS = ("fp16", "vecinfer")  # then the --baseline arms, in the order they are profiled
 
 
 def _marker_kernel():
@@ -67,26 +73,52 @@ def run(args) -> None:
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
     token = mx.array([[42]])
     fp, vq = fp16_and_fused_caches(model, args.context)
-    arms = dict(zip(ARMS, (fp, vq), strict=True))
-    for caches in arms.values():  # warm-up: compile, allocate
+    current = vecinfer.kernels
+    # name: (caches, the kernels module their steps run, None for fp16)
+    arms = {"fp16": (fp, None), "vecinfer": (vq, current)}
+    for name, path in baselines(args.baseline):
+        arms[name] = (default_layout_caches(model, args.context), load_baseline(path))
+
+    def step(name: str) -> float:
+        caches, kernels = arms[name]
+        if kernels is not None:
+            switch(kernels, caches)
+        return build_and_step(model, caches, token)[2]
+
+    names = list(arms)
+    for name in names:  # warm-up: compile, allocate
         for _ in range(2):
-            build_and_step(model, caches, token)
+            step(name)
     walls = {name: [] for name in arms}
     for r in range(args.repeats):
-        for name in ARMS[r % 2 :] + ARMS[: r % 2]:
-            walls[name].append(build_and_step(model, arms[name], token)[2])
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            walls[name].append(step(name))
     for name, w in walls.items():
         print(f"  {name:<9} synchronous step {fmt(w, 1e3, ' ms')}")
     marker = _marker_kernel()
     mark(marker, -1)  # compiled before the profiled range
     print(f"cuProfilerStart -> {profiler(True)}")
-    for tag, caches in enumerate(arms.values()):
+    for tag, (caches, kernels) in enumerate(arms.values()):
+        if kernels is not None:
+            switch(kernels, caches)
         for _ in range(args.steps):
             mark(marker, tag)
             mx.eval(model(token, cache=caches))
     mark(marker, -1)
     print(f"cuProfilerStop -> {profiler(False)}")
+    switch(current, vq)
     print("arms in order:", ", ".join(arms), f"({args.steps} steps each)")
+
+
+def baselines(specs: list[str]) -> list[tuple[str, str]]:
+    """`--baseline NAME=KERNELS_PY` arguments as (name, path); names other than the fixed arms'."""
+    out = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or name in ARMS or name in dict(out):
+            raise SystemExit(f"--baseline {spec!r}: expected NAME=KERNELS_PY with a new NAME")
+        out.append((name, path))
+    return out
 
 
 def parse(path: str, arms: list[str], steps: int) -> None:
@@ -139,9 +171,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--parse", metavar="NCU_CSV")
+    p.add_argument("--baseline", action="append", default=[], metavar="NAME=KERNELS_PY")
     args = p.parse_args()
     if args.parse:
-        parse(args.parse, list(ARMS), args.steps)
+        parse(args.parse, list(ARMS) + [n for n, _ in baselines(args.baseline)], args.steps)
     elif not args.random_weights:
         p.error("--random-weights CONFIG_JSON is needed to profile (or --parse NCU_CSV)")
     else:

@@ -7,6 +7,7 @@ default layout, the synthetic caches of bench_kernels.py).
     ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
         -k regex:attn_partial python benchmarks/profile_partial_kernel.py tiles
     python benchmarks/profile_partial_kernel.py timeline --contexts 4096 16384 65536
+    python benchmarks/profile_partial_kernel.py timeline-one --contexts 16384 65536 131072
 
 - `ablations`: the kernel with parts of its work cut out of the source (each arm its own set of
   cuts: the exact RoPE-phase pairs, the whole phase, the value sums, all key sub-vectors but
@@ -24,6 +25,12 @@ default layout, the synthetic caches of bench_kernels.py).
   does, so its "cold" is warmer than ncu's; and one 16K cold run showed every group stalled
   ~100 us in the same phase (not understood, not seen at 4K or 64K): read its cold rows with
   ncu's times beside them.
+- `timeline-one` (CUDA): the same for the one-launch kernel that decode steps run (tensor cores
+  on): per threadgroup, when it starts, finishes its split, finishes the merge (the last group
+  per KV head) and ends (the exact group's encode), and the SM it ran on; reported as each
+  SM's busy fraction of the kernel's span, the groups per SM, and those times' median / 90% /
+  max, warm and with L2 flushed (`--constants TARGET_GROUPS=1056` and the like override the
+  kernels module's settings).
 - `tiles`: three calls per (threads per threadgroup, tokens per thread) setting, for a
   profiler; prints each setting's kernel name (to match the profiler's rows) and its output's
   largest difference from the default setting's.
@@ -334,6 +341,122 @@ def timeline(args) -> None:
                 _report_timeline(st, a["n_splits"])
 
 
+# The one-launch kernel (CUDA's default, tensor cores on): four globaltimer stamps per
+# threadgroup by thread 0, and its SM. 0: start; 1: its split done, before the count that picks
+# the last threadgroup per KV head; 2: after that threadgroup's merge; 3: the end (after the
+# exact threadgroup's encode).
+ONE_STAMPS = (
+    ("  VQ_SHARED int s_last;\n", 1),
+    ("  if (split == n_splits && iparams[EP] > 0) {", 2),
+)
+_ONE_STAMP_MACRO = r"""
+#define VQ_STAMP1(k) if (vq_tid == 0) { \
+  unsigned long long gt_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt_)); \
+  tstamp[((int)vq_gy * (int)gridDim.x + (int)vq_gx) * 8 + 2 * (k)] = (uint32_t)gt_; \
+  tstamp[((int)vq_gy * (int)gridDim.x + (int)vq_gx) * 8 + 2 * (k) + 1] = (uint32_t)(gt_ >> 32); }
+"""
+
+
+def one_launch_stamped(src):
+    """The one-launch KernelSource `src` with the four stamps and two more outputs: `tstamp`
+    (uint32 [group, stamp, (low, high) word of the globaltimer's ns]) and `smid` (uint32 per
+    group, the SM it ran on)."""
+    body = src.body
+    for text, k in ONE_STAMPS:
+        if body.count(text) != 1:
+            raise SystemExit(f"the one-launch source no longer has exactly one {text!r}")
+        body = body.replace(text, f"  VQ_STAMP1({k});\n{text}")
+    sm = (
+        "  if (vq_tid == 0) {\n    uint32_t sm_;\n"
+        '    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));\n'
+        "    smid[(int)vq_gy * (int)gridDim.x + (int)vq_gx] = sm_;\n  }\n"
+    )
+    body = _ONE_STAMP_MACRO + "  VQ_STAMP1(0);\n" + sm + body + "\n  VQ_STAMP1(3);\n"
+    return dataclasses.replace(src, outputs=(*src.outputs, "tstamp", "smid"), body=body)
+
+
+def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int) -> None:
+    """ts[h, group, stamp] in ns, sm[h, group]."""
+    t = (ts - ts[..., 0].min()) / 1e3  # us after the first group's start
+    start, done, merged, end = t[..., 0], t[..., 1], t[..., 2], t[..., 3]
+    coded, exact = np.s_[:, :n_splits], np.s_[:, n_splits]
+    span = end.max()
+    per_sm = {}
+    for s_, a, b in zip(sm.ravel(), start.ravel(), end.ravel(), strict=True):
+        per_sm.setdefault(int(s_), []).append((a, b))
+    busy = []  # the union of each SM's groups' [start, end], as a fraction of the span
+    for spans in per_sm.values():
+        spans.sort()
+        total, (lo, hi) = 0.0, spans[0]
+        for a, b in spans[1:]:
+            if a > hi:
+                total, lo, hi = total + hi - lo, a, b
+            else:
+                hi = max(hi, b)
+        busy.append((total + hi - lo) / span)
+    counts = np.bincount([len(v) for v in per_sm.values()])
+    merge = (merged - done).max(axis=1)  # per KV head: the one group that merged
+    last = np.argmax(merged - done, axis=1)
+
+    def q(v) -> str:
+        v = np.asarray(v).ravel()
+        return f"{np.median(v):6.1f} / {np.percentile(v, 90):6.1f} / {v.max():6.1f}"
+
+    print(
+        f"    span {span:.1f} us; {len(per_sm)} SMs, groups per SM "
+        f"{ {i: int(c) for i, c in enumerate(counts) if c} }; SM busy (median / min) "
+        f"{np.median(busy):.2f} / {min(busy):.2f}"
+    )
+    print("    us (median / 90% / max over groups):")
+    print(f"      start                 {q(start)}")
+    print(f"      coded groups' split   {q((done - start)[coded])}  (done at {q(done[coded])})")
+    print(f"      exact groups' part    {q((done - start)[exact])}  (done at {q(done[exact])})")
+    print(f"      merge, last group     {q(merge)}  (the last group is exact in "
+          f"{int((last == n_splits).sum())} of {len(last)} heads)")  # fmt: skip
+    print(f"      encode, exact groups  {q((end - merged)[exact])}")
+    print(f"      end                   {q(end)}")
+
+
+def timeline_one(args) -> None:
+    if backend() != "cuda":
+        raise SystemExit("timeline-one reads CUDA's %globaltimer: it runs on CUDA only")
+    import veloxquant.kernels as vk
+
+    scale = 1 / math.sqrt(D)
+    for n in args.contexts:
+        caches, qs, pend = decode_inputs(n, 1, 1, H, G, D)
+        cache = caches[0]
+        cache._reserve_codes(1)  # the launch encodes in place, as fused_attention makes room
+        a = K.attention_inputs(cache, qs[0], scale, pend[0])
+        if len(a["sources"]) != 1:
+            raise SystemExit("the step is two launches here (kernels.ONE_LAUNCH off?)")
+        src = one_launch_stamped(a["sources"][0])
+        kernel = vk.compiled(src, tuple(str(x.dtype) for x in a["partial"]))
+        n_groups = a["groups"][0] * a["groups"][1]
+        shapes = K.one_launch_shapes(a, qs[0].shape[1], D)
+        for cold in (False, True):
+            for _ in range(args.calls):  # the last call is reported
+                if cold:
+                    _flush_l2()
+                outs = kernel(
+                    inputs=a["partial"],
+                    grid=(a["groups"][0] * K.TILE, a["groups"][1], 1),
+                    threadgroup=(K.TILE, 1, 1),
+                    output_shapes=[*shapes, (n_groups * 8,), (n_groups,)],
+                    output_dtypes=[mx.float32, qs[0].dtype, mx.uint32, mx.uint32],
+                    init_value=0,
+                )
+                mx.eval(outs)
+            st = np.array(outs[2]).astype(np.int64).reshape(a["groups"][1], a["groups"][0], 4, 2)
+            ts = st[..., 0] + (st[..., 1] << 32)
+            sm = np.array(outs[3]).reshape(a["groups"][1], a["groups"][0])
+            print(
+                f"context {n}, {'cold (L2 flushed)' if cold else 'warm'}: {a['groups'][0]} x "
+                f"{a['groups'][1]} threadgroups, MMA {K.MMA}, {K.TARGET_GROUPS} target"
+            )
+            _report_one_launch(ts, sm, a["n_splits"])
+
+
 def tiles(args) -> None:
     default = (K.TILE, K.TOKENS_PER_THREAD)
     try:
@@ -362,7 +485,7 @@ def tiles(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("mode", choices=["ablations", "tiles", "timeline"])
+    p.add_argument("mode", choices=["ablations", "tiles", "timeline", "timeline-one"])
     p.add_argument("--contexts", type=int, nargs="+", default=None)
     p.add_argument("--repeats", type=int, default=9, help="ablations without --calls")
     p.add_argument(
@@ -377,6 +500,15 @@ def main() -> None:
     if args.mode == "ablations":
         args.contexts = args.contexts or [4096, 16384, 65536]
         ablations(args)
+    elif args.mode == "timeline-one":
+        args.contexts = args.contexts or [16384, 65536, 131072]
+        args.calls = args.calls or 3
+        for kv in args.constants:  # e.g. TARGET_GROUPS=1056
+            name, value = kv.split("=")
+            if not isinstance(getattr(K, name, None), int):
+                raise SystemExit(f"--constants: the kernels module has no integer setting {name}")
+            setattr(K, name, int(value))
+        timeline_one(args)
     elif args.mode == "timeline":
         args.contexts = args.contexts or [16384, 65536]
         args.calls = args.calls or 3
