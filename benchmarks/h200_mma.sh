@@ -10,6 +10,10 @@
 #                                       # the full ncu sections of both kernels at 64K
 #   bash benchmarks/h200_mma.sh step    # ncu: every kernel of a whole decode step at 16K, fp16
 #                                       # against the fused caches; then MIN_SPLIT 256 at 16K
+#   BASE=/tmp/base_kernels.py bash benchmarks/h200_mma.sh merge
+#                                       # a one-launch kernel change against BASE: outputs and
+#                                       # codes, its timeline, ncu inside real decode steps at
+#                                       # 64K, greedy tokens, tokens/s against fp16
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -116,8 +120,57 @@ tail)
       | tee "$OUT/step${ctx}_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
   done
   ;;
+merge)
+  BASE=${BASE:-/tmp/base_kernels.py}
+  echo "== this tree against $BASE, per layer step: outputs, codes, times"
+  timeout 120 python benchmarks/ab_kernel_revisions.py --baseline "$BASE" --steps \
+    --contexts 4096 16384 65536 131072 --repeats 5 2>&1 | tee "$OUT/steps_ab.txt"
+  echo "== this tree's one-launch timeline"
+  timeout 90 python benchmarks/profile_partial_kernel.py timeline-one 2>&1 | tee "$OUT/timeline.txt"
+  echo "== ncu inside real decode steps at 64K: fp16, this tree, base"
+  timeout 150 ncu --profile-from-start off --clock-control base --cache-control none \
+    --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step65536.csv" \
+    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+    --context 65536 --repeats 2 --steps 3 --baseline "base=$BASE" > "$OUT/step65536.txt" 2>&1
+  python benchmarks/profile_decode_step.py --parse "$OUT/step65536.csv" --steps 3 \
+    --baseline "base=$BASE" | tee "$OUT/step65536_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
+  echo "== greedy tokens, fused against transient"
+  timeout 100 python benchmarks/check_fused_generation.py \
+    --random-weights benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/check.txt"
+  echo "== tokens/s against fp16, 8B shape"
+  timeout 200 python benchmarks/bench_generate.py --dtype bfloat16 \
+    --random-weights benchmarks/configs/llama3-8b.json --contexts 16384 65536 131072 \
+    --repeats 3 2>&1 | tee "$OUT/generate_8b.txt"
+  ;;
+mergecuts)
+  # what the last threadgroup's merge costs, and what in it: BASE's kernel as is, without the
+  # merge (its count and hand-over only), with one thread fencing; this tree with fewer loads
+  # in flight; then inside real decode steps at 64K
+  BASE=${BASE:-/tmp/base_kernels.py}
+  tl() { timeout 60 python benchmarks/profile_partial_kernel.py timeline-one --contexts 16384 65536 "$@"; }
+  for cut in "" no-merge one-fence; do
+    echo "== timeline-one, $BASE, cut ${cut:-none}"
+    tl --kernels "$BASE" ${cut:+--cut $cut} 2>&1 | tee -a "$OUT/timeline_cuts.txt"
+  done
+  for loads in 16 4 1; do
+    echo "== timeline-one, this tree, COMBINE_LOADS $loads"
+    tl --constants COMBINE_LOADS=$loads 2>&1 | tee -a "$OUT/timeline_cuts.txt"
+  done
+  for loads in 4 1; do
+    sed "s/^COMBINE_LOADS = 16 /COMBINE_LOADS = $loads /" "$K" > /tmp/loads${loads}_kernels.py
+    grep -q "^COMBINE_LOADS = $loads " /tmp/loads${loads}_kernels.py || { echo "sed failed"; exit 2; }
+  done
+  arms=(--baseline "base=$BASE" --baseline loads4=/tmp/loads4_kernels.py --baseline loads1=/tmp/loads1_kernels.py)
+  echo "== ncu inside real decode steps at 64K: fp16, this tree, ${arms[*]}"
+  timeout 200 ncu --profile-from-start off --clock-control base --cache-control none \
+    --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step65536.csv" \
+    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+    --context 65536 --repeats 2 --steps 3 "${arms[@]}" > "$OUT/step65536.txt" 2>&1
+  python benchmarks/profile_decode_step.py --parse "$OUT/step65536.csv" --steps 3 "${arms[@]}" \
+    | tee "$OUT/step65536_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail" >&2
+  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|mergecuts" >&2
   exit 2
   ;;
 esac

@@ -417,6 +417,29 @@ def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int) -> None:
     print(f"      end                   {q(end)}")
 
 
+# timeline-one --cut: text of the one-launch source and what replaces it (timing only: "no-merge"
+# leaves the output unmerged)
+ONE_CUTS = {
+    # the tail's count and hand-over without the merge itself: what the merge costs on its own
+    "no-merge": [("  if (s_last) {\n    VQ_DEVICE_FENCE();\n", "  if (s_last) {\n#if 0\n")]
+    + [("\n    if (vq_tid == 0) const_cast", "\n#endif\n    if (vq_tid == 0) const_cast")],
+    # one thread fences (after the barrier), as cooperative groups' grid sync does
+    "one-fence": [
+        (
+            "  VQ_DEVICE_FENCE();  // this thread's part writes, device-wide before the count\n"
+            "  VQ_BARRIER();\n  if (vq_tid == 0) {\n",
+            "  VQ_BARRIER();\n  if (vq_tid == 0) {\n    VQ_DEVICE_FENCE();\n",
+        ),
+        ("  if (s_last) {\n    VQ_DEVICE_FENCE();\n", "  if (s_last) {\n"),
+        (
+            "    s_last = vq_atomic_inc(count) == (uint32_t)n_splits ? 1 : 0;\n",
+            "    s_last = vq_atomic_inc(count) == (uint32_t)n_splits ? 1 : 0;\n"
+            "    VQ_DEVICE_FENCE();\n",
+        ),
+    ],
+}
+
+
 def timeline_one(args) -> None:
     if backend() != "cuda":
         raise SystemExit("timeline-one reads CUDA's %globaltimer: it runs on CUDA only")
@@ -430,7 +453,12 @@ def timeline_one(args) -> None:
         a = K.attention_inputs(cache, qs[0], scale, pend[0])
         if len(a["sources"]) != 1:
             raise SystemExit("the step is two launches here (kernels.ONE_LAUNCH off?)")
-        src = one_launch_stamped(a["sources"][0])
+        src = a["sources"][0]
+        for old, new in ONE_CUTS.get(args.cut, []) if args.cut else []:
+            if src.body.count(old) != 1:
+                raise SystemExit(f"--cut {args.cut}: the source no longer has exactly one {old!r}")
+            src = dataclasses.replace(src, body=src.body.replace(old, new))
+        src = one_launch_stamped(src)
         kernel = vk.compiled(src, tuple(str(x.dtype) for x in a["partial"]))
         n_groups = a["groups"][0] * a["groups"][1]
         shapes = K.one_launch_shapes(a, qs[0].shape[1], D)
@@ -452,7 +480,8 @@ def timeline_one(args) -> None:
             sm = np.array(outs[3]).reshape(a["groups"][1], a["groups"][0])
             print(
                 f"context {n}, {'cold (L2 flushed)' if cold else 'warm'}: {a['groups'][0]} x "
-                f"{a['groups'][1]} threadgroups, MMA {K.MMA}, {K.TARGET_GROUPS} target"
+                f"{a['groups'][1]} threadgroups, MMA {K.MMA}, {K.TARGET_GROUPS} target, "
+                f"kernels {K.__file__}, cut {args.cut}"
             )
             _report_one_launch(ts, sm, a["n_splits"])
 
@@ -493,6 +522,8 @@ def main() -> None:
     )
     p.add_argument("--arms", nargs="*", default=[], choices=list(ABLATIONS), help="timeline")
     p.add_argument("--constants", nargs="*", default=[], help="timeline: NAME=INT overrides")
+    p.add_argument("--cut", choices=list(ONE_CUTS), help="timeline-one: a cut of its source")
+    p.add_argument("--kernels", help="timeline-one: another revision's vecinfer kernels.py")
     args = p.parse_args()
     if backend() is None:
         raise SystemExit("no GPU kernel backend: the kernels cannot run here")
@@ -501,6 +532,11 @@ def main() -> None:
         args.contexts = args.contexts or [4096, 16384, 65536]
         ablations(args)
     elif args.mode == "timeline-one":
+        global K
+        if args.kernels:
+            from ab_kernel_revisions import load_baseline
+
+            K = load_baseline(args.kernels)
         args.contexts = args.contexts or [16384, 65536, 131072]
         args.calls = args.calls or 3
         for kv in args.constants:  # e.g. TARGET_GROUPS=1056
