@@ -157,7 +157,7 @@ mergecuts)
     tl --constants COMBINE_LOADS=$loads 2>&1 | tee -a "$OUT/timeline_cuts.txt"
   done
   for loads in 4 1; do
-    sed "s/^COMBINE_LOADS = 16 /COMBINE_LOADS = $loads /" "$K" > /tmp/loads${loads}_kernels.py
+    sed "s/^COMBINE_LOADS = [0-9]* /COMBINE_LOADS = $loads /" "$K" > /tmp/loads${loads}_kernels.py
     grep -q "^COMBINE_LOADS = $loads " /tmp/loads${loads}_kernels.py || { echo "sed failed"; exit 2; }
   done
   arms=(--baseline "base=$BASE" --baseline loads4=/tmp/loads4_kernels.py --baseline loads1=/tmp/loads1_kernels.py)

@@ -1236,12 +1236,9 @@ _COMBINE_ONE_HEAD = (
 # parts, and then each chunk of CCH splits' weights 2^(m - M) and sums are read by all threads
 # at once, so that the only serial loads left are the output rows, every head's in flight
 # together (_COMBINE_ONE_HEAD over the heads in turn was a chain of dependent rounds to L2:
-# benchmarks/results/one-launch-per-layer-h200.txt). The output rows are read four floats at a
-# time (item i of the CNH * D / 4 is head i / (D / 4), dims 4 (i % (D / 4)) + 0..3), C4U splits
-# of them in flight: one float per load and 8 in flight left the merge a chain of rounds to L2
-# that took a quarter of the kernel at 64K (benchmarks/results/one-launch-tail-h100.txt). A
-# head's output rows are summed in split order, its sum by one SIMD group. The parts are read
-# past L1 (vq_load_cg, vq_load_cg4): other threadgroups of the launch wrote them.
+# benchmarks/results/one-launch-per-layer-h200.txt). A head's output rows are summed in split
+# order, its sum by one SIMD group. The parts are read with vq_load_cg: other threadgroups of
+# the launch wrote them.
 _COMBINE_HEADS = """
   {
   const int T = iparams[0];
@@ -1275,17 +1272,15 @@ _COMBINE_HEADS = """
     s_cs[vq_tid] = 0.0f;
   }
   // the exact threadgroup's parts (at n_splits), in flight while the splits are merged
-  float mf[CPS], of[CPS], lf[CPS];
+  float mf[CPS], of[CPS], lf[CPS], acc[CPS];
   VQ_UNROLL
   for (int k = 0; k < CPS; ++k) {
     const int g = min(slot + k * (CNT / D), CNH - 1);
     mf[k] = vq_load_cg(part_m + n_splits * HQ + hq0 + g);
     of[k] = vq_load_cg(part_o + (n_splits * HQ + hq0 + g) * D + d);
     lf[k] = vq_load_cg(part_l + n_splits * HQ + hq0 + g);
+    acc[k] = 0.0f;
   }
-  float4 acc4[CP4];
-  VQ_UNROLL
-  for (int k = 0; k < CP4; ++k) acc4[k] = VQ_F4(0.0f, 0.0f, 0.0f, 0.0f);
   VQ_BARRIER();
   for (int c0 = 0; c0 < n_splits; c0 += CCH) {
     const int cn = min(CCH, n_splits - c0);
@@ -1295,19 +1290,13 @@ _COMBINE_HEADS = """
       s_cl[i] = vq_load_cg(part_l + s * HQ + hq0 + g);
     }
     VQ_BARRIER();
-    VQ_UNROLL_BY(C4U)
+    VQ_UNROLL_BY(CUN)
     for (int s = 0; s < cn; ++s) {
       VQ_UNROLL
-      for (int k = 0; k < CP4; ++k) {
-        const int i = (int)vq_tid + k * CNT;
-        if (i < CNH * (D / 4)) {
-          const int g = i / (D / 4);
-          const float w = s_cw[s * CNH + g];
-          const float4 o = vq_load_cg4(part_o + ((c0 + s) * HQ + hq0 + g) * D + 4 * (i % (D / 4)));
-          acc4[k].x += w * o.x;
-          acc4[k].y += w * o.y;
-          acc4[k].z += w * o.z;
-          acc4[k].w += w * o.w;
+      for (int k = 0; k < CPS; ++k) {
+        const int g = slot + k * (CNT / D);
+        if (g < CNH) {
+          acc[k] += s_cw[s * CNH + g] * vq_load_cg(part_o + ((c0 + s) * HQ + hq0 + g) * D + d);
         }
       }
     }
@@ -1321,15 +1310,9 @@ _COMBINE_HEADS = """
     VQ_BARRIER();
   }
   VQ_UNROLL
-  for (int k = 0; k < CP4; ++k) {
-    const int i = (int)vq_tid + k * CNT;
-    if (i < CNH * (D / 4)) {
-      VQ_TG float* row = s_ch + (i / (D / 4)) * D + 4 * (i % (D / 4));
-      row[0] = acc4[k].x;
-      row[1] = acc4[k].y;
-      row[2] = acc4[k].z;
-      row[3] = acc4[k].w;
-    }
+  for (int k = 0; k < CPS; ++k) {
+    const int g = slot + k * (CNT / D);
+    if (g < CNH) s_ch[g * D + d] = acc[k];
   }
   VQ_BARRIER();
   if (VHAD) {
@@ -1359,7 +1342,7 @@ _COMBINE_HEADS = """
   }
 """
 COMBINE_CHUNK = 128  # CCH: splits whose weights are read at once
-COMBINE_LOADS = 16  # float4 output-row loads in flight per thread (the split loop's unroll x items)
+COMBINE_LOADS = 8  # output-row loads in flight per thread (the split loop's unroll x heads)
 
 
 def combine_floats(heads: int, head_dim: int, threads: int | None = None) -> int:
@@ -1374,13 +1357,13 @@ def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scr
     """_COMBINE_HEADS for `heads` query heads from the expression `first` merged by `threads`
     threads in the threadgroup array `scratch`, its sizes written in as literals."""
     per_slot = -(-heads // (threads // head_dim))
-    per_thread4 = -(-heads * head_dim // 4 // threads)  # float4 items of the output rows
     sizes = {"CNH": heads, "CNT": threads, "CCH": COMBINE_CHUNK, "CPS": per_slot}
     sizes["CWH"] = max(1, threads // 32 // heads)  # SIMD groups per head for the maxima
-    sizes["CP4"] = per_thread4
-    sizes["C4U"] = max(1, COMBINE_LOADS // per_thread4)
+    # about COMBINE_LOADS output-row loads in flight per thread: more raised the one-launch
+    # kernel's registers above the partial's, which set them otherwise
+    sizes["CUN"] = max(1, COMBINE_LOADS // per_slot)
     body = re.sub(
-        r"\b(CNH|CNT|CCH|CPS|CP4|C4U|CWH)\b", lambda m: str(sizes[m.group(1)]), _COMBINE_HEADS
+        r"\b(CNH|CNT|CCH|CPS|CUN|CWH)\b", lambda m: str(sizes[m.group(1)]), _COMBINE_HEADS
     )
     return body.replace("COMBINE_FIRST", first).replace("COMBINE_SCRATCH", scratch)
 
