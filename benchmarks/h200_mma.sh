@@ -14,6 +14,9 @@
 #                                       # a one-launch kernel change against BASE: outputs and
 #                                       # codes, its timeline, ncu inside real decode steps at
 #                                       # 64K, greedy tokens, tokens/s against fp16
+#   bash benchmarks/h200_mma.sh merge4  # `merge` for benchmarks/patches/one-launch-merge-float4.patch
+#                                       # (applied to this working copy: run it on a scratch copy,
+#                                       # as the device's is) against the tree as it was
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -142,6 +145,15 @@ merge)
     --random-weights benchmarks/configs/llama3-8b.json --contexts 16384 65536 131072 \
     --repeats 3 2>&1 | tee "$OUT/generate_8b.txt"
   ;;
+merge4)
+  # the merge's output rows as float4s, 16 loads in flight with no bounds check between them
+  # (nvcc: 16 LDG.E.128 back to back where the kept kernel has 8 scalar loads; not yet run)
+  command -v patch > /dev/null || { echo "merge4 needs patch(1) (apt-get install patch)" >&2; exit 2; }
+  cp "$K" /tmp/tree_kernels.py
+  patch -s -p1 --forward < benchmarks/patches/one-launch-merge-float4.patch ||
+    { echo "benchmarks/patches/one-launch-merge-float4.patch does not apply to $K" >&2; exit 2; }
+  BASE=/tmp/tree_kernels.py exec bash "$0" merge
+  ;;
 mergecuts)
   # what the last threadgroup's merge costs, and what in it: BASE's kernel as is, without the
   # merge (its count and hand-over only), with one thread fencing; this tree with fewer loads
@@ -170,7 +182,7 @@ mergecuts)
     | tee "$OUT/step65536_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|mergecuts" >&2
+  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|merge4|mergecuts" >&2
   exit 2
   ;;
 esac

@@ -26,6 +26,7 @@ The dialect (what a body may use besides plain C arithmetic):
     vq_shfl_xor(x, m)   x of lane (lane ^ m) of the SIMD group (all lanes take part)
     vq_load_cg(p)       *p read past the multiprocessor's L1 (on CUDA): for data other
                         threadgroups of the same launch wrote
+    vq_load_cg4(p)      the same for the float4 at p (a float pointer, 16-byte aligned)
     VQ_DEVICE_FENCE(), vq_atomic_inc(p)  (CUDA only) this thread's global writes ordered
                         before its later ones device-wide; atomic ++*p returning the old
                         value. Metal has no device-scope fence before MSL 3.2, so kernels
@@ -98,6 +99,7 @@ __device__ inline float vq_shfl_xor(float x, int mask) {
   return __shfl_xor_sync(0xffffffffu, x, mask);
 }
 #define vq_load_cg(p) __ldcg(p)
+#define vq_load_cg4(p) __ldcg(reinterpret_cast<const float4*>(p))
 #define VQ_DEVICE_FENCE() __threadfence()
 #define vq_atomic_inc(p) atomicAdd((p), 1u)
 #endif
@@ -131,6 +133,7 @@ inline float vq_simd_sum(float x) { return simd_sum(x); }
 inline float vq_simd_max(float x) { return simd_max(x); }
 inline float vq_shfl_xor(float x, int mask) { return simd_shuffle_xor(x, (ushort)mask); }
 #define vq_load_cg(p) (*(p))
+#define vq_load_cg4(p) (*reinterpret_cast<const device float4*>(p))
 #endif
 """
 
