@@ -14,9 +14,8 @@
 #                                       # a one-launch kernel change against BASE: outputs and
 #                                       # codes, its timeline, ncu inside real decode steps at
 #                                       # 64K, greedy tokens, tokens/s against fp16
-#   bash benchmarks/h200_mma.sh merge4  # `merge` for benchmarks/patches/one-launch-merge-float4.patch
-#                                       # (applied to this working copy: run it on a scratch copy,
-#                                       # as the device's is) against the tree as it was
+#   bash benchmarks/h200_mma.sh merge4  # kernels.COMBINE_FLOAT4 against the scalar merge:
+#                                       # outputs, timeline, ncu inside real decode steps
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -146,13 +145,30 @@ merge)
     --repeats 3 2>&1 | tee "$OUT/generate_8b.txt"
   ;;
 merge4)
-  # the merge's output rows as float4s, 16 loads in flight with no bounds check between them
-  # (nvcc: 16 LDG.E.128 back to back where the kept kernel has 8 scalar loads; not yet run)
-  command -v patch > /dev/null || { echo "merge4 needs patch(1) (apt-get install patch)" >&2; exit 2; }
-  cp "$K" /tmp/tree_kernels.py
-  patch -s -p1 --forward < benchmarks/patches/one-launch-merge-float4.patch ||
-    { echo "benchmarks/patches/one-launch-merge-float4.patch does not apply to $K" >&2; exit 2; }
-  BASE=/tmp/tree_kernels.py exec bash "$0" merge
+  # kernels.COMBINE_FLOAT4 (the merge's rows as float4s, 16 loads in flight under nvcc 13;
+  # not yet run on a GPU) against the scalar merge: outputs and codes (the same sums in the same
+  # order: bit-identical), the timeline, and ncu inside real decode steps at 64K and 16K
+  sed 's/^COMBINE_FLOAT4 = False$/COMBINE_FLOAT4 = True/' "$K" > /tmp/float4_kernels.py
+  grep -q '^COMBINE_FLOAT4 = True$' /tmp/float4_kernels.py || { echo "sed failed" >&2; exit 2; }
+  echo "== the scalar merge (this tree) against float4 (baseline), per layer step"
+  timeout 120 python benchmarks/ab_kernel_revisions.py --baseline /tmp/float4_kernels.py --steps \
+    --contexts 16384 65536 131072 --repeats 5 2>&1 | tee "$OUT/steps_float4.txt"
+  for k in "$K" /tmp/float4_kernels.py; do
+    echo "== timeline-one, $k"
+    timeout 60 python benchmarks/profile_partial_kernel.py timeline-one --kernels "$k" \
+      --contexts 16384 65536 2>&1 | tee -a "$OUT/timeline_float4.txt"
+  done
+  for ctx in 65536 16384; do
+    echo "== ncu inside real decode steps at $ctx: fp16, this tree, float4"
+    timeout 150 ncu --profile-from-start off --clock-control base --cache-control none \
+      --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step$ctx.csv" \
+      python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+      --context "$ctx" --repeats 2 --steps 3 --baseline float4=/tmp/float4_kernels.py \
+      > "$OUT/step$ctx.txt" 2>&1
+    python benchmarks/profile_decode_step.py --parse "$OUT/step$ctx.csv" --steps 3 \
+      --baseline float4=/tmp/float4_kernels.py | tee "$OUT/step${ctx}_parsed.txt" |
+      grep -E "GPU time|custom_kernel|sdpa"
+  done
   ;;
 mergecuts)
   # what the last threadgroup's merge costs, and what in it: BASE's kernel as is, without the

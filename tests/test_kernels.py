@@ -374,8 +374,10 @@ def test_emulated_decode_kernels_match_the_twin(
 # Layouts the real model's caches do not have: (head_dim, query heads per KV head, key
 # (bits, sub_dim), value (bits, sub_dim)). Codes that cross 32-bit words (keys of 5 bits, values
 # of 6 and 10), one query head per KV head and G * D below a tile, the smallest and the largest
-# head_dim, and every sub_dim of keys and values.
+# head_dim, and every sub_dim of keys and values; and the default layout at Llama-3-8B's shape,
+# whose G * D is a whole tile's worth of float4s for the merge.
 OTHER_LAYOUTS = [
+    (128, 4, (6, 2), (8, 4)),
     (128, 1, (6, 2), (6, 1)),
     (32, 5, (4, 4), (10, 2)),
     (256, 2, (8, 4), (8, 4)),
@@ -448,6 +450,11 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
             monkeypatch.setattr(K, "COMBINE_CHUNK", 2)
             one, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             one_e = _emulated_attention(backend, c, q, pending, r, 1, reverse=r == 1)
+            # the merge's rows as float4s (opt-in): the same sums in the same order
+            monkeypatch.setattr(K, "COMBINE_FLOAT4", True)
+            one_f4, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            monkeypatch.setattr(K, "COMBINE_FLOAT4", False)
+            np.testing.assert_array_equal(one_f4, one)
             assert K.mma_takes(lay, r)  # these layouts take the tensor cores ...
             monkeypatch.setattr(K, "MMA", False)  # ... and the CUDA cores without them
             one_fma, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)

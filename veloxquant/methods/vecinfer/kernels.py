@@ -1343,6 +1343,72 @@ _COMBINE_HEADS = """
 """
 COMBINE_CHUNK = 128  # CCH: splits whose weights are read at once
 COMBINE_LOADS = 8  # output-row loads in flight per thread (the split loop's unroll x heads)
+# The merge's output rows read as float4s, COMBINE_LOADS4 in flight per thread
+# (`_COMBINE_FLOAT4_EDITS`). Off: not yet timed on a GPU. The merge is a quarter of the
+# one-launch kernel at 64K, about one L2 round trip per split with the scalar loads' 8 in
+# flight (benchmarks/results/one-launch-tail-h100.txt); under nvcc 13 this puts 16 loads in
+# flight, `bash benchmarks/h200_mma.sh merge4` times it against the scalar merge.
+COMBINE_FLOAT4 = False
+COMBINE_LOADS4 = 16
+# (text of _COMBINE_HEADS, what replaces it) for COMBINE_FLOAT4: item i < CNH * D / 4 of the
+# rows is head i / (D / 4), dims 4 (i % (D / 4)) + 0..3, thread vq_tid taking items vq_tid,
+# vq_tid + CNT, ... (CP4 of them). C4ALL is true when every thread has all its items, and then
+# no bounds check sits between the loads: with one, nvcc branched around each load into the
+# same registers, one in flight at a time (b049963, slower than the scalar merge).
+_COMBINE_FLOAT4_EDITS = (
+    ("  float mf[CPS], of[CPS], lf[CPS], acc[CPS];", "  float mf[CPS], of[CPS], lf[CPS];"),
+    (
+        "    acc[k] = 0.0f;\n  }\n  VQ_BARRIER();",
+        "  }\n  float4 acc4[CP4];\n  VQ_UNROLL\n"
+        "  for (int k = 0; k < CP4; ++k) acc4[k] = VQ_F4(0.0f, 0.0f, 0.0f, 0.0f);\n  VQ_BARRIER();",
+    ),
+    (
+        """    VQ_UNROLL_BY(CUN)
+    for (int s = 0; s < cn; ++s) {
+      VQ_UNROLL
+      for (int k = 0; k < CPS; ++k) {
+        const int g = slot + k * (CNT / D);
+        if (g < CNH) {
+          acc[k] += s_cw[s * CNH + g] * vq_load_cg(part_o + ((c0 + s) * HQ + hq0 + g) * D + d);
+        }
+      }
+    }""",
+        """    VQ_UNROLL_BY(C4U)
+    for (int s = 0; s < cn; ++s) {
+      VQ_UNROLL
+      for (int k = 0; k < CP4; ++k) {
+        const int i = (int)vq_tid + k * CNT;
+        if (C4ALL || i < CNH * (D / 4)) {
+          const int g = i / (D / 4);
+          const float w = s_cw[s * CNH + g];
+          const float4 o = vq_load_cg4(part_o + ((c0 + s) * HQ + hq0 + g) * D + 4 * (i % (D / 4)));
+          acc4[k].x += w * o.x;
+          acc4[k].y += w * o.y;
+          acc4[k].z += w * o.z;
+          acc4[k].w += w * o.w;
+        }
+      }
+    }""",
+    ),
+    (
+        """  VQ_UNROLL
+  for (int k = 0; k < CPS; ++k) {
+    const int g = slot + k * (CNT / D);
+    if (g < CNH) s_ch[g * D + d] = acc[k];
+  }""",
+        """  VQ_UNROLL
+  for (int k = 0; k < CP4; ++k) {
+    const int i = (int)vq_tid + k * CNT;
+    if (C4ALL || i < CNH * (D / 4)) {
+      VQ_TG float* row = s_ch + (i / (D / 4)) * D + 4 * (i % (D / 4));
+      row[0] = acc4[k].x;
+      row[1] = acc4[k].y;
+      row[2] = acc4[k].z;
+      row[3] = acc4[k].w;
+    }
+  }""",
+    ),
+)
 
 
 def combine_floats(heads: int, head_dim: int, threads: int | None = None) -> int:
@@ -1362,9 +1428,16 @@ def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scr
     # about COMBINE_LOADS output-row loads in flight per thread: more raised the one-launch
     # kernel's registers above the partial's, which set them otherwise
     sizes["CUN"] = max(1, COMBINE_LOADS // per_slot)
-    body = re.sub(
-        r"\b(CNH|CNT|CCH|CPS|CUN|CWH)\b", lambda m: str(sizes[m.group(1)]), _COMBINE_HEADS
-    )
+    body = _COMBINE_HEADS
+    if COMBINE_FLOAT4:
+        for old, new in _COMBINE_FLOAT4_EDITS:
+            assert body.count(old) == 1, old
+            body = body.replace(old, new)
+        per_thread4 = -(-heads * head_dim // 4 // threads)  # CP4
+        sizes["CP4"], sizes["C4U"] = per_thread4, max(1, COMBINE_LOADS4 // per_thread4)
+        sizes["C4ALL"] = "true" if per_thread4 * threads == heads * head_dim // 4 else "false"
+    names = "|".join(sizes)
+    body = re.sub(rf"\b({names})\b", lambda m: str(sizes[m.group(1)]), body)
     return body.replace("COMBINE_FIRST", first).replace("COMBINE_SCRATCH", scratch)
 
 
@@ -1943,6 +2016,7 @@ def one_launch_kernel_source(
     r = TOKENS_PER_THREAD if r is None else r
     mma = mma_takes(lay, r)
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK, mma)
+    key += (COMBINE_FLOAT4,)
     key += (MMA_MIN_THREADGROUPS,)
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
@@ -2379,6 +2453,7 @@ def attention_inputs(
     # exist) are in the key, every other input is the cache's own and fixed
     dtypes = (queries.dtype, sk.dtype, sv.dtype, wk.dtype, wv.dtype, nk.dtype, nv.dtype)
     key = ("plan", n_q, r, encode is not None, in_place, one, COMBINE_CHUNK, MMA, last.dtype)
+    key += (COMBINE_FLOAT4,)
     key += dtypes
     plan = memo.get(key)
     if plan is None:
