@@ -1229,6 +1229,18 @@ _COMBINE_ONE_HEAD = (
 """
 )
 
+# the scalar merge's loop over a chunk's splits (`_COMBINE_FLOAT4_EDITS` replaces it)
+_COMBINE_ROWS = """    VQ_UNROLL_BY(CUN)
+    for (int s = 0; s < cn; ++s) {
+      VQ_UNROLL
+      for (int k = 0; k < CPS; ++k) {
+        const int g = slot + k * (CNT / D);
+        if (g < CNH) {
+          acc[k] += s_cw[s * CNH + g] * vq_load_cg(part_o + ((c0 + s) * HQ + hq0 + g) * D + d);
+        }
+      }
+    }"""
+
 # The one-launch kernel's combine: its threadgroup of CNT threads (a multiple of D) merges the
 # splits of the CNH query heads from COMBINE_FIRST (a KV head's G), D threads per head (slot
 # vq_tid / D takes heads slot, slot + CNT / D, ...), in the threadgroup array COMBINE_SCRATCH
@@ -1239,7 +1251,8 @@ _COMBINE_ONE_HEAD = (
 # benchmarks/results/one-launch-per-layer-h200.txt). A head's output rows are summed in split
 # order, its sum by one SIMD group. The parts are read with vq_load_cg: other threadgroups of
 # the launch wrote them.
-_COMBINE_HEADS = """
+_COMBINE_HEADS = (
+    """
   {
   const int T = iparams[0];
   const int tps = iparams[2];
@@ -1290,16 +1303,9 @@ _COMBINE_HEADS = """
       s_cl[i] = vq_load_cg(part_l + s * HQ + hq0 + g);
     }
     VQ_BARRIER();
-    VQ_UNROLL_BY(CUN)
-    for (int s = 0; s < cn; ++s) {
-      VQ_UNROLL
-      for (int k = 0; k < CPS; ++k) {
-        const int g = slot + k * (CNT / D);
-        if (g < CNH) {
-          acc[k] += s_cw[s * CNH + g] * vq_load_cg(part_o + ((c0 + s) * HQ + hq0 + g) * D + d);
-        }
-      }
-    }
+"""
+    + _COMBINE_ROWS
+    + """
     // each head's sum, by one SIMD group (a split per lane, then across lanes)
     for (int g = (int)vq_warp; g < CNH; g += CNT / 32) {
       float part = 0.0f;
@@ -1341,6 +1347,7 @@ _COMBINE_HEADS = """
   }
   }
 """
+)
 COMBINE_CHUNK = 128  # CCH: splits whose weights are read at once
 COMBINE_LOADS = 8  # output-row loads in flight per thread (the split loop's unroll x heads)
 # The merge's output rows read as float4s, COMBINE_LOADS4 in flight per thread
@@ -1363,16 +1370,7 @@ _COMBINE_FLOAT4_EDITS = (
         "  for (int k = 0; k < CP4; ++k) acc4[k] = VQ_F4(0.0f, 0.0f, 0.0f, 0.0f);\n  VQ_BARRIER();",
     ),
     (
-        """    VQ_UNROLL_BY(CUN)
-    for (int s = 0; s < cn; ++s) {
-      VQ_UNROLL
-      for (int k = 0; k < CPS; ++k) {
-        const int g = slot + k * (CNT / D);
-        if (g < CNH) {
-          acc[k] += s_cw[s * CNH + g] * vq_load_cg(part_o + ((c0 + s) * HQ + hq0 + g) * D + d);
-        }
-      }
-    }""",
+        _COMBINE_ROWS,
         """    VQ_UNROLL_BY(C4U)
     for (int s = 0; s < cn; ++s) {
       VQ_UNROLL
