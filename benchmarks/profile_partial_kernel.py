@@ -30,7 +30,9 @@ default layout, the synthetic caches of bench_kernels.py).
   per KV head) and ends (the exact group's encode), and the SM it ran on; reported as each
   SM's busy fraction of the kernel's span, the groups per SM, and those times' median / 90% /
   max, warm and with L2 flushed (`--constants TARGET_GROUPS=1056` and the like override the
-  kernels module's settings).
+  kernels module's settings, `--kernels PATH` runs another revision's kernels.py, `--cut
+  no-merge` times the kernel without its merge (its output then wrong) and `--cut one-fence`
+  with one thread fencing before the count).
 - `tiles`: three calls per (threads per threadgroup, tokens per thread) setting, for a
   profiler; prints each setting's kernel name (to match the profiler's rows) and its output's
   largest difference from the default setting's.

@@ -1361,7 +1361,8 @@ COMBINE_LOADS4 = 16
 # rows is head i / (D / 4), dims 4 (i % (D / 4)) + 0..3, thread vq_tid taking items vq_tid,
 # vq_tid + CNT, ... (CP4 of them). C4ALL is true when every thread has all its items, and then
 # no bounds check sits between the loads: with one, nvcc branched around each load into the
-# same registers, one in flight at a time (b049963, slower than the scalar merge).
+# same registers, one in flight at a time (b049963, slower than the scalar merge). The rows
+# start 16-byte aligned: part_o is 2 part_stride floats (a multiple of 4) into the parts, D too.
 _COMBINE_FLOAT4_EDITS = (
     ("  float mf[CPS], of[CPS], lf[CPS], acc[CPS];", "  float mf[CPS], of[CPS], lf[CPS];"),
     (
@@ -1429,7 +1430,8 @@ def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scr
     body = _COMBINE_HEADS
     if COMBINE_FLOAT4:
         for old, new in _COMBINE_FLOAT4_EDITS:
-            assert body.count(old) == 1, old
+            if body.count(old) != 1:
+                raise RuntimeError(f"_COMBINE_FLOAT4_EDITS no longer fit _COMBINE_HEADS: {old!r}")
             body = body.replace(old, new)
         per_thread4 = -(-heads * head_dim // 4 // threads)  # CP4
         sizes["CP4"], sizes["C4U"] = per_thread4, max(1, COMBINE_LOADS4 // per_thread4)
