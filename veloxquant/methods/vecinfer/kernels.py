@@ -2452,9 +2452,8 @@ def attention_inputs(
     # whose dtypes can change between steps (placeholders before the sinks and the window
     # exist) are in the key, every other input is the cache's own and fixed
     dtypes = (queries.dtype, sk.dtype, sv.dtype, wk.dtype, wv.dtype, nk.dtype, nv.dtype)
-    key = ("plan", n_q, r, encode is not None, in_place, one, COMBINE_CHUNK, MMA, last.dtype)
-    key += (COMBINE_FLOAT4,)
-    key += dtypes
+    key = ("plan", n_q, r, encode is not None, in_place, one, COMBINE_CHUNK, COMBINE_FLOAT4)
+    key += (MMA, last.dtype, *dtypes)
     plan = memo.get(key)
     if plan is None:
         if one:
