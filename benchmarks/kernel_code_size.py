@@ -3,6 +3,8 @@ and bytes per phase (8B layer shape, default layout, the synthetic caches of ben
 
     python benchmarks/kernel_code_size.py
     python benchmarks/kernel_code_size.py --baseline /tmp/base_kernels.py
+    python benchmarks/kernel_code_size.py --one-launch --constants COMBINE_FLOAT4=1 \
+        --baseline /tmp/base_kernels.py
 
 It writes the CUDA translation unit MLX would hand NVRTC, with the timeline stamps of
 `profile_partial_kernel.py` at the phase boundaries, compiles it with nvcc (`-cubin
@@ -12,6 +14,11 @@ ends at "Hadamard" is the coded branch's start). Fetching a fully unrolled loop'
 once per tile took longer than its arithmetic on the H200
 (benchmarks/results/instruction-fetch-h200.txt), so code size is worth watching. MLX's NVRTC
 allocated 0-14 more registers than nvcc here in that file.
+
+`--one-launch` reports the one-launch kernel instead (the decode steps' kernel on CUDA), with
+`profile_partial_kernel.py timeline-one`'s stamps: the bytes of its merge and the runs of global
+loads between two branches there, which bound the loads a thread has in flight
+(`--constants COMBINE_FLOAT4=1` and the like set this tree's kernels module first).
 
 Needs nvcc (CUDA 12 or 13) and cuobjdump on PATH or in $CUDA_HOME/bin; the `nvidia-cuda-cuobjdump`
 wheel has one (`pip install nvidia-cuda-cuobjdump`, then its nvidia/cu13/bin). The MLX header the
@@ -115,14 +122,67 @@ def report(tag: str, kernels, work: Path) -> None:
         print(f"    {name:>18} -> {after:<18} at {at:#08x}: {nxt - at:6d} bytes")
 
 
+def one_launch_report(tag: str, kernels, work: Path) -> None:
+    """The one-launch kernel (CUDA; 8B layer shape, default layout, bf16) with the stamps of
+    `profile_partial_kernel.py timeline-one`: registers, and of the code from the split's end
+    to the merge's, its bytes and the most global loads between two branches (the loads a
+    thread can have in flight in the merge's split loop)."""
+    import veloxquant.kernels as vk
+    from profile_partial_kernel import one_launch_stamped
+
+    backend, vk.backend = vk.backend, lambda: "cuda"  # the one launch is CUDA's
+    try:
+        caches, qs, pend = decode_inputs(16384, 1, 1, H, G, D)
+        caches[0]._reserve_codes(1)  # room for the in-place encode, as fused_attention makes
+        a = kernels.attention_inputs(caches[0], qs[0], 1 / math.sqrt(D), pend[0])
+    finally:
+        vk.backend = backend
+    if len(a["sources"]) != 1:
+        raise SystemExit(f"{kernels.__file__}: the step is not one launch (ONE_LAUNCH off?)")
+    src = one_launch_stamped(a["sources"][0])
+    outputs = ["float32", dtype_name(qs[0].dtype), "uint32", "uint32"]
+    tu = src.cuda_translation_unit([dtype_name(x.dtype) for x in a["partial"]], outputs)
+    used, sass = compile_and_read(tu, work, tag.replace(" ", "_"))
+    code = [
+        (int(m.group(1), 16), m.group(2))
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)
+    ]
+    stamps = [at for at, ins in code if "SR_GLOBALTIMER" in ins]
+    if len(stamps) != 4:
+        raise SystemExit(f"expected the 4 timeline-one stamps in the SASS, found {len(stamps)}")
+    runs, run = [], [0, 0]  # global loads between two branches: [all, 128-bit]
+    for at, ins in code:
+        if not stamps[1] <= at < stamps[2]:
+            continue
+        if "BRA" in ins:
+            runs.append(run)
+            run = [0, 0]
+        elif "LDG" in ins:
+            run = [run[0] + 1, run[1] + (".128" in ins)]
+    runs = sorted([r for r in runs + [run] if r[0]], reverse=True)[:6]
+    print(f"{tag}: {kernels.__file__}, one launch")
+    print(f"  {used}")
+    print(f"  {code[-1][0] + 16} bytes of SASS; the merge (split done -> merged) "
+          f"{stamps[2] - stamps[1]} bytes; its longest runs of global loads between two branches: "
+          + ", ".join(f"{n} ({w} of 128 bits)" for n, w in runs))  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--baseline", help="a kernels.py of another revision, reported first")
+    p.add_argument("--one-launch", action="store_true", help="the one-launch kernel's merge")
+    p.add_argument("--constants", nargs="*", default=[], help="NAME=INT: this tree's settings")
     args = p.parse_args()
+    for kv in args.constants:  # e.g. COMBINE_FLOAT4=1
+        name, value = kv.split("=")
+        if not isinstance(getattr(current, name, None), int):
+            raise SystemExit(f"--constants: the kernels module has no integer setting {name}")
+        setattr(current, name, int(value))
+    run = one_launch_report if args.one_launch else report
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
-            report("baseline", load_baseline(args.baseline), Path(tmp))
-        report("this tree", current, Path(tmp))
+            run("baseline", load_baseline(args.baseline), Path(tmp))
+        run("this tree", current, Path(tmp))
 
 
 if __name__ == "__main__":
