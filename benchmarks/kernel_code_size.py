@@ -21,7 +21,8 @@ loads between two branches there, which bound the loads a thread has in flight
 (`--constants COMBINE_FLOAT4=1` and the like set this tree's kernels module first).
 
 Needs nvcc (CUDA 12 or 13) and cuobjdump on PATH or in $CUDA_HOME/bin; the `nvidia-cuda-cuobjdump`
-wheel has one (`pip install nvidia-cuda-cuobjdump`, then its nvidia/cu13/bin). The MLX header the
+wheel has one, and cuobjdump -sass runs nvdisasm (`pip install nvidia-cuda-cuobjdump
+nvidia-cuda-nvdisasm`, then their nvidia/cu13/bin on PATH). The MLX header the
 source includes is replaced by a stub that includes CUDA's fp16 / bf16 headers.
 """
 
