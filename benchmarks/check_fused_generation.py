@@ -67,11 +67,15 @@ def main() -> None:
             c.fused = False
         prompt = mx.random.randint(0, 1000, (1, n), key=mx.random.key(n))
         la, lb = model(prompt, cache=ref)[:, -1], model(prompt, cache=fused)[:, -1]
-        diffs, same = [], 0
+        diffs, same, margins = [], 0, []
         for _ in range(args.steps):
             diffs.append(float(mx.abs(la.astype(mx.float32) - lb.astype(mx.float32)).max()))
             tok = mx.argmax(la, axis=-1)
-            same += int(mx.array_equal(tok, mx.argmax(lb, axis=-1)).item())
+            if mx.array_equal(tok, mx.argmax(lb, axis=-1)).item():
+                same += 1
+            else:  # how near a tie the transient path's top two logits were
+                top2 = mx.topk(la.astype(mx.float32)[0], 2)
+                margins.append(round(float(mx.abs(top2[1] - top2[0]).item()), 4))
             la = model(tok[:, None], cache=ref)[:, -1]
             lb = model(tok[:, None], cache=fused)[:, -1]
         paths = {c.last_attention for c in fused}
@@ -80,6 +84,11 @@ def main() -> None:
             f"prompt {n}: {args.steps} steps, fused path {paths}, same argmax {same}/"
             f"{args.steps}, max |logit diff| {max(diffs):.4g} (max |logit| {scale:.3g}), "
             f"first steps {[round(d, 3) for d in diffs[:4]]}, last {round(diffs[-1], 3)}"
+            + (
+                f"; where the argmax differs, the transient top-2 margin {margins}"
+                if margins
+                else ""
+            )
         )
         # what the caches hold afterwards (the fused path wrote codes and window in place):
         # the same tokens coded, codes equal but for float32 near-ties, the same window
