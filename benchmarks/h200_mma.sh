@@ -14,7 +14,7 @@
 #                                       # a one-launch kernel change against BASE: outputs and
 #                                       # codes, its timeline, ncu inside real decode steps at
 #                                       # 64K, greedy tokens, tokens/s against fp16
-#   bash benchmarks/h200_mma.sh merge4  # kernels.COMBINE_FLOAT4 against the scalar merge:
+#   bash benchmarks/h200_mma.sh merge4  # the float4 merge (this tree) against the scalar one:
 #                                       # outputs, timeline, ncu inside real decode steps
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
@@ -145,28 +145,28 @@ merge)
     --repeats 3 2>&1 | tee "$OUT/generate_8b.txt"
   ;;
 merge4)
-  # kernels.COMBINE_FLOAT4 (the merge's rows as float4s, 16 loads in flight under nvcc 13;
-  # not yet run on a GPU) against the scalar merge: outputs and codes (the same sums in the same
+  # the merge's rows as float4s (kernels.COMBINE_FLOAT4, on in the tree: 16 loads in flight
+  # under nvcc 13) against the scalar merge: outputs and codes (the same sums in the same
   # order: bit-identical), the timeline, and ncu inside real decode steps at 64K and 16K
-  sed 's/^COMBINE_FLOAT4 = False$/COMBINE_FLOAT4 = True/' "$K" > /tmp/float4_kernels.py
-  grep -q '^COMBINE_FLOAT4 = True$' /tmp/float4_kernels.py || { echo "sed failed" >&2; exit 2; }
-  echo "== the scalar merge (this tree) against float4 (baseline), per layer step"
-  timeout 120 python benchmarks/ab_kernel_revisions.py --baseline /tmp/float4_kernels.py --steps \
-    --contexts 16384 65536 131072 --repeats 5 2>&1 | tee "$OUT/steps_float4.txt"
-  for k in "$K" /tmp/float4_kernels.py; do
+  grep -q '^COMBINE_FLOAT4 = True$' "$K" || { echo "expected COMBINE_FLOAT4 = True in $K" >&2; exit 2; }
+  sed 's/^COMBINE_FLOAT4 = True$/COMBINE_FLOAT4 = False/' "$K" > /tmp/scalar_kernels.py
+  echo "== float4 merge (this tree) against the scalar merge (baseline), per layer step"
+  timeout 120 python benchmarks/ab_kernel_revisions.py --baseline /tmp/scalar_kernels.py --steps \
+    --contexts 16384 65536 131072 --repeats 5 2>&1 | tee "$OUT/steps_scalar.txt"
+  for k in "$K" /tmp/scalar_kernels.py; do
     echo "== timeline-one, $k"
     timeout 60 python benchmarks/profile_partial_kernel.py timeline-one --kernels "$k" \
-      --contexts 16384 65536 2>&1 | tee -a "$OUT/timeline_float4.txt"
+      --contexts 16384 65536 2>&1 | tee -a "$OUT/timeline_merge4.txt"
   done
   for ctx in 65536 16384; do
-    echo "== ncu inside real decode steps at $ctx: fp16, this tree, float4"
+    echo "== ncu inside real decode steps at $ctx: fp16, this tree, scalar merge"
     timeout 150 ncu --profile-from-start off --clock-control base --cache-control none \
       --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step$ctx.csv" \
       python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
-      --context "$ctx" --repeats 2 --steps 3 --baseline float4=/tmp/float4_kernels.py \
+      --context "$ctx" --repeats 2 --steps 3 --baseline scalar=/tmp/scalar_kernels.py \
       > "$OUT/step$ctx.txt" 2>&1
     python benchmarks/profile_decode_step.py --parse "$OUT/step$ctx.csv" --steps 3 \
-      --baseline float4=/tmp/float4_kernels.py | tee "$OUT/step${ctx}_parsed.txt" |
+      --baseline scalar=/tmp/scalar_kernels.py | tee "$OUT/step${ctx}_parsed.txt" |
       grep -E "GPU time|custom_kernel|sdpa"
   done
   ;;

@@ -3,7 +3,7 @@ and bytes per phase (8B layer shape, default layout, the synthetic caches of ben
 
     python benchmarks/kernel_code_size.py
     python benchmarks/kernel_code_size.py --baseline /tmp/base_kernels.py
-    python benchmarks/kernel_code_size.py --one-launch --constants COMBINE_FLOAT4=1 \
+    python benchmarks/kernel_code_size.py --one-launch --constants COMBINE_FLOAT4=0 \
         --baseline /tmp/base_kernels.py
 
 It writes the CUDA translation unit MLX would hand NVRTC, with the timeline stamps of
@@ -18,7 +18,7 @@ allocated 0-14 more registers than nvcc here in that file.
 `--one-launch` reports the one-launch kernel instead (the decode steps' kernel on CUDA), with
 `profile_partial_kernel.py timeline-one`'s stamps: the bytes of its merge and the runs of global
 loads between two branches there, which bound the loads a thread has in flight
-(`--constants COMBINE_FLOAT4=1` and the like set this tree's kernels module first).
+(`--constants COMBINE_FLOAT4=0` and the like set this tree's kernels module first).
 
 Needs nvcc (CUDA 12 or 13) and cuobjdump on PATH or in $CUDA_HOME/bin; the `nvidia-cuda-cuobjdump`
 wheel has one, and cuobjdump -sass runs nvdisasm (`pip install nvidia-cuda-cuobjdump

@@ -450,11 +450,12 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
             monkeypatch.setattr(K, "COMBINE_CHUNK", 2)
             one, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             one_e = _emulated_attention(backend, c, q, pending, r, 1, reverse=r == 1)
-            # the merge's rows as float4s (opt-in): the same sums in the same order
-            monkeypatch.setattr(K, "COMBINE_FLOAT4", True)
-            one_f4, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            # the merge's rows as scalars, not float4s: the same sums in the same order
+            assert K.COMBINE_FLOAT4
             monkeypatch.setattr(K, "COMBINE_FLOAT4", False)
-            np.testing.assert_array_equal(one_f4, one)
+            one_scalar, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            monkeypatch.setattr(K, "COMBINE_FLOAT4", True)
+            np.testing.assert_array_equal(one_scalar, one)
             assert K.mma_takes(lay, r)  # these layouts take the tensor cores ...
             monkeypatch.setattr(K, "MMA", False)  # ... and the CUDA cores without them
             one_fma, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)

@@ -1350,12 +1350,12 @@ _COMBINE_HEADS = (
 )
 COMBINE_CHUNK = 128  # CCH: splits whose weights are read at once
 COMBINE_LOADS = 8  # output-row loads in flight per thread (the split loop's unroll x heads)
-# The merge's output rows read as float4s, COMBINE_LOADS4 in flight per thread
-# (`_COMBINE_FLOAT4_EDITS`). Off: not yet timed on a GPU. The merge is a quarter of the
-# one-launch kernel at 64K, about one L2 round trip per split with the scalar loads' 8 in
-# flight (benchmarks/results/one-launch-tail-h100.txt); under nvcc 13 this puts 16 loads in
-# flight, `bash benchmarks/h200_mma.sh merge4` times it against the scalar merge.
-COMBINE_FLOAT4 = False
+# The one-launch merge reads its output rows as float4s, COMBINE_LOADS4 in flight per thread
+# (`_COMBINE_FLOAT4_EDITS`), where the scalar loads had 8: it was about one L2 round trip per
+# split, the kernel's tail while the other SMs idle. The same sums in the same order, so the
+# output is bit-identical to the scalar merge's (False); `bash benchmarks/h200_mma.sh merge4`
+# compares the two (benchmarks/results/combine-float4-h200.txt).
+COMBINE_FLOAT4 = True
 COMBINE_LOADS4 = 16
 # (text of _COMBINE_HEADS, what replaces it) for COMBINE_FLOAT4: item i < CNH * D / 4 of the
 # rows is head i / (D / 4), dims 4 (i % (D / 4)) + 0..3, thread vq_tid taking items vq_tid,
