@@ -16,6 +16,11 @@
 #                                       # 64K, greedy tokens, tokens/s against fp16
 #   bash benchmarks/h200_mma.sh merge4  # the float4 merge (this tree) against the scalar one:
 #                                       # outputs, timeline, ncu inside real decode steps
+#   bash benchmarks/h200_mma.sh bounds  # what bounds end-to-end decode: ncu of whole 128K steps
+#                                       # (GPU time, fp16 against fused), tokens/s beside the
+#                                       # attention-free bound arm, the host build alone
+#   bash benchmarks/h200_mma.sh tiles4  # 4 coded tokens per thread against 2, ncu inside real
+#                                       # decode steps at 64K
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -169,6 +174,38 @@ merge4)
       --baseline scalar=/tmp/scalar_kernels.py | tee "$OUT/step${ctx}_parsed.txt" |
       grep -E "GPU time|custom_kernel|sdpa"
   done
+  ;;
+bounds)
+  # what bounds end-to-end decode: ncu over every kernel of whole 128K steps (the GPU time per
+  # step, fp16 against fused: the most a free host could give), tokens/s beside the bound arms
+  # (no_attention: the step without attention, which no cache can beat), the host build alone
+  echo "== ncu inside real decode steps at 131072: fp16, this tree"
+  timeout 150 ncu --profile-from-start off --clock-control base --cache-control none \
+    --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step131072.csv" \
+    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+    --context 131072 --repeats 2 --steps 3 > "$OUT/step131072.txt" 2>&1
+  python benchmarks/profile_decode_step.py --parse "$OUT/step131072.csv" --steps 3 |
+    tee "$OUT/step131072_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
+  echo "== tokens/s against fp16 and the bound arms, 8B shape"
+  timeout 230 python benchmarks/bench_generate.py --dtype bfloat16 --bounds \
+    --random-weights benchmarks/configs/llama3-8b.json --contexts 65536 131072 \
+    --repeats 3 2>&1 | tee "$OUT/generate_bounds_8b.txt"
+  echo "== the host build of a step, kernels stubbed"
+  timeout 60 python benchmarks/bench_host_build.py --repeats 30 2>&1 | tee "$OUT/host_build.txt"
+  ;;
+tiles4)
+  # 4 coded tokens per thread (512-token tiles, 8 blocks per SIMD group: more loads in flight
+  # per warp, more registers) against 2, inside real decode steps at 64K (ncu, clocks at base)
+  sed 's/^TOKENS_PER_THREAD = 2$/TOKENS_PER_THREAD = 4/' "$K" > /tmp/r4_kernels.py
+  grep -q '^TOKENS_PER_THREAD = 4$' /tmp/r4_kernels.py || { echo "sed failed" >&2; exit 2; }
+  timeout 150 ncu --profile-from-start off --clock-control base --cache-control none \
+    --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step65536_r4.csv" \
+    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+    --context 65536 --repeats 2 --steps 3 --baseline r4=/tmp/r4_kernels.py \
+    > "$OUT/step65536_r4.txt" 2>&1
+  python benchmarks/profile_decode_step.py --parse "$OUT/step65536_r4.csv" --steps 3 \
+    --baseline r4=/tmp/r4_kernels.py | tee "$OUT/step65536_r4_parsed.txt" |
+    grep -E "GPU time|custom_kernel|sdpa"
   ;;
 mergecuts)
   # what the last threadgroup's merge costs, and what in it: BASE's kernel as is, without the
