@@ -328,7 +328,7 @@ def bench_context(args, n_coded: int) -> dict:
     ]
     mx.eval(qs, news, kv)
 
-    def fused(r: int, groups: int):
+    def fused(r: int, groups: int | None):
         def run():
             K.TOKENS_PER_THREAD = r
             K.TARGET_GROUPS = groups

@@ -73,7 +73,7 @@ def bench_context(args, n_tok: int) -> dict:
     ]
     mx.eval(qs, kv)
 
-    def fused(name: str, groups: int = K.TARGET_GROUPS):
+    def fused(name: str, groups: int | None = K.TARGET_GROUPS):
         cs = caches[name]
 
         def run():

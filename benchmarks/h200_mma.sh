@@ -39,10 +39,10 @@ sed 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 0/' "$K" > /tmp/mma0_ke
 sed 's/^MIN_SPLIT = 512$/MIN_SPLIT = 256/' "$K" > /tmp/split256_kernels.py
 # 528 already gives 64 splits (520 threadgroups, one wave) from 64K up, as split_tokens rounds
 # a split to whole tiles; 1056 tries two waves of half as many tokens each
-sed 's/^TARGET_GROUPS = 528$/TARGET_GROUPS = 1056/' "$K" > /tmp/groups1056_kernels.py
+sed 's/^TARGET_GROUPS: int | None = None$/TARGET_GROUPS = 1056/' "$K" > /tmp/groups1056_kernels.py
 # no launch bounds below 3 groups per SM (136 registers, no spills) and one wave of them
 sed -e 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 3/' \
-  -e 's/^TARGET_GROUPS = 528$/TARGET_GROUPS = 396/' "$K" > /tmp/bounds3_kernels.py
+  -e 's/^TARGET_GROUPS: int | None = None$/TARGET_GROUPS = 396/' "$K" > /tmp/bounds3_kernels.py
 # ncu's GPU time and grid of this tree's step kernel against /tmp/<name>_kernels.py's, per context.
 # Clocks locked at base: with them free (--clock-control none, the first run of `splits`), a
 # launch after a host gap ran 4-8x slower than the same launch back to back (the GPU idling down),

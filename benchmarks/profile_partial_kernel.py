@@ -479,9 +479,11 @@ def timeline_one(args) -> None:
             st = np.array(outs[2]).astype(np.int64).reshape(a["groups"][1], a["groups"][0], 4, 2)
             ts = st[..., 0] + (st[..., 1] << 32)
             sm = np.array(outs[3]).reshape(a["groups"][1], a["groups"][0])
+            # an older revision's kernels (--kernels) may have an int TARGET_GROUPS only
+            target = K.target_groups() if hasattr(K, "target_groups") else K.TARGET_GROUPS
             print(
                 f"context {n}, {'cold (L2 flushed)' if cold else 'warm'}: {a['groups'][0]} x "
-                f"{a['groups'][1]} threadgroups, MMA {K.MMA}, {K.TARGET_GROUPS} target, "
+                f"{a['groups'][1]} threadgroups, MMA {K.MMA}, {target} target, "
                 f"kernels {K.__file__}, cut {args.cut}"
             )
             _report_one_launch(ts, sm, a["n_splits"])
@@ -542,7 +544,7 @@ def main() -> None:
         args.calls = args.calls or 3
         for kv in args.constants:  # e.g. TARGET_GROUPS=1056
             name, value = kv.split("=")
-            if not isinstance(getattr(K, name, None), int):
+            if not isinstance(getattr(K, name, ""), int | None):  # TARGET_GROUPS may be None
                 raise SystemExit(f"--constants: the kernels module has no integer setting {name}")
             setattr(K, name, int(value))
         timeline_one(args)

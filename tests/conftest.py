@@ -35,6 +35,16 @@ def _attention_dispatch_as_found():
         attention.uninstall()
 
 
+@pytest.fixture(autouse=True)
+def _cuda_multiprocessors_of_the_timed_card(monkeypatch):
+    """Tests that stand in a CUDA backend on this CPU machine (`backend()` patched) split one
+    query's work as on the H100 / H200 the kernels were timed on, 132 multiprocessors: there is
+    no CUDA driver here to count them (tests/test_kernels.py asks the real one)."""
+    import veloxquant.kernels as vk
+
+    monkeypatch.setattr(vk, "cuda_multiprocessors", lambda: 132)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
     """The embedded SmolLM2-135M GGUF imported once per test session (float32).

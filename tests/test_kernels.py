@@ -31,6 +31,7 @@ from veloxquant import KVCacheConfig, attention, make_cache
 from veloxquant.calibrate import calibrate
 from veloxquant.codes import unpack_codes
 from veloxquant.kernels import backend, check_metal_source
+from veloxquant.kernels import cuda_multiprocessors as driver_multiprocessors  # conftest stubs it
 from veloxquant.methods.vecinfer import VecInferCache
 from veloxquant.methods.vecinfer import kernels as K
 
@@ -584,6 +585,36 @@ def test_cache_kernel_path_writes_the_cache_in_place(
     assert agree > 0.97
     agree = _code_agreement(np.array(kern.value_codes), twin.value_codes, lay.value_bits, d // 4)
     assert agree > 0.97
+
+
+def test_splits_fill_one_wave_of_the_gpu_s_multiprocessors(monkeypatch):
+    """One decode query's splits aim for GROUPS_PER_MULTIPROCESSOR threadgroups per CUDA
+    multiprocessor, as counted by the driver: 528 on an H100 / H200's 132 (the count timed
+    there), one wave on a card with fewer, where 528 would leave a fifth of a wave running alone.
+    An int TARGET_GROUPS overrides it; Metal keeps 528, KIVI 8 per multiprocessor."""
+    import veloxquant.kernels as vk
+    import veloxquant.methods.kivi.kernels as kivi
+
+    assert K.TARGET_GROUPS is None and kivi.TARGET_GROUPS is None
+    monkeypatch.setattr(vk, "backend", lambda: "metal")
+    assert K.target_groups() == 528
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    n_coded, h = 65536 - 132, 8
+    for sms in (132, 108, 142):
+        monkeypatch.setattr(vk, "cuda_multiprocessors", lambda n=sms: n)
+        slots = K.GROUPS_PER_MULTIPROCESSOR * sms
+        assert K.target_groups() == slots
+        groups = (-(-n_coded // K.split_tokens(n_coded, h, 2)) + 1) * h  # + the exact group
+        assert 0.9 * slots < groups <= slots, (sms, groups)
+        tiles = kivi.split_tiles(n_coded // 32, 32, h)
+        assert -(-(n_coded // 32 * 32) // kivi.TILE // tiles) * h <= 8 * sms
+    monkeypatch.setattr(K, "TARGET_GROUPS", 1056)
+    assert K.target_groups() == 1056
+    # the driver's count: a positive int on a CUDA machine, else an error that names the fix
+    try:
+        assert driver_multiprocessors() > 0
+    except RuntimeError as e:
+        assert "TARGET_GROUPS" in str(e)
 
 
 def test_each_launch_takes_the_cache_s_previous_output(monkeypatch):

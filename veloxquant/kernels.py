@@ -48,6 +48,7 @@ the source it holds at every call.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import hashlib
 import os
@@ -320,6 +321,45 @@ def backend() -> str | None:
     if mx.metal.is_available():
         return "metal"
     return None
+
+
+# CUdevice_attribute CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT (the CUDA driver's cuda.h)
+_CU_MULTIPROCESSOR_COUNT = 16
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_multiprocessors() -> int:
+    """Streaming multiprocessors of CUDA device 0, the GPU MLX runs on (CUDA_VISIBLE_DEVICES
+    picks the card), read from the CUDA driver once: MLX does not report it, and the decode
+    kernels split one query's work into whole waves of threadgroups over them."""
+    fix = "set TARGET_GROUPS in veloxquant.methods.vecinfer.kernels and .kivi.kernels to an int"
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(
+            f"cannot load the CUDA driver to count multiprocessors ({e}); {fix}"
+        ) from e
+    device, count = ctypes.c_int(0), ctypes.c_int(0)
+    status = lib.cuInit(0)
+    if status == 0:
+        status = lib.cuDeviceGet(ctypes.byref(device), 0)
+    if status == 0:
+        status = lib.cuDeviceGetAttribute(ctypes.byref(count), _CU_MULTIPROCESSOR_COUNT, device)
+    if status != 0 or count.value <= 0:
+        raise RuntimeError(
+            f"the CUDA driver did not give device 0's multiprocessor count (CUresult {status}, "
+            f"count {count.value}); {fix}"
+        )
+    return count.value
+
+
+def split_target(per_multiprocessor: int, elsewhere: int) -> int:
+    """Threadgroups one decode query's splits aim for: `per_multiprocessor` on each of the CUDA
+    GPU's multiprocessors (whole waves: a fixed count is a fraction of a wave on another card,
+    whose last groups then run alone), or `elsewhere` (Metal)."""
+    if backend() == "cuda":
+        return per_multiprocessor * cuda_multiprocessors()
+    return elsewhere
 
 
 _COMPILED: dict[tuple[str, str, tuple[str, ...], bool], Any] = {}

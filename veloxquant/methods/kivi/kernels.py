@@ -34,18 +34,20 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant import attention
-from veloxquant.kernels import KernelSource, backend, launch
+from veloxquant.kernels import KernelSource, backend, launch, split_target
 
 TILE = 128  # tokens per tile, and threads per threadgroup
 NEG = -1.0e30  # finite "minus infinity" (no inf arithmetic in kernels)
 MAX_QUERIES_PER_KV = 8
 MAX_ZERO_SUMS = 32  # registers a thread keeps for Σ p·z (query heads x value groups)
 THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
-# threadgroups to aim for over the store: about eight per multiprocessor of an H200 (a
-# threadgroup is 4 SIMD groups, and a multiprocessor holds 7+ of them at the partial kernel's
-# 69 registers and ~9 KB: more resident SIMD groups hide the code loads' latency). A first
-# choice, not yet timed on the GPU.
-TARGET_GROUPS = 1056
+# threadgroups to aim for over the store: None is GROUPS_PER_MULTIPROCESSOR on each CUDA
+# multiprocessor (1056 on an H200's 132; a threadgroup is 4 SIMD groups, and a multiprocessor
+# holds 7+ of them at the partial kernel's 69 registers and ~9 KB: more resident SIMD groups
+# hide the code loads' latency), 1056 on Metal; an int overrides it. A first choice, not yet
+# timed on the GPU.
+TARGET_GROUPS: int | None = None
+GROUPS_PER_MULTIPROCESSOR = 8
 PARAMS = 16  # int32 slots of iparams
 # Scores alive at once in one piece of the twin (float32 elements): bounds prefill's peak.
 PIECE_ELEMENTS = 1 << 25
@@ -503,8 +505,12 @@ def combine_kernel_source(head_dim: int, queries_per_kv: int, out_dtype: mx.Dtyp
 
 def split_tiles(n_blocks: int, group_size: int, n_kv_heads: int, target: int | None = None) -> int:
     """Tiles of the store per split: enough splits for about `target` threadgroups (default
-    TARGET_GROUPS, read at call time so a benchmark can sweep it)."""
-    target = TARGET_GROUPS if target is None else target
+    TARGET_GROUPS, read at call time so a benchmark can sweep it; where None,
+    GROUPS_PER_MULTIPROCESSOR per CUDA multiprocessor, 1056 on Metal)."""
+    if target is None and TARGET_GROUPS is not None:
+        target = TARGET_GROUPS
+    if target is None:
+        target = split_target(GROUPS_PER_MULTIPROCESSOR, 1056)
     n_tiles = -(-n_blocks * group_size // TILE)
     if n_tiles == 0:
         return 1

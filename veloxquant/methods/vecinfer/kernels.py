@@ -63,7 +63,7 @@ import numpy as np
 
 from veloxquant import attention
 from veloxquant.codes import code_bytes, pq_decode
-from veloxquant.kernels import KernelSource
+from veloxquant.kernels import KernelSource, split_target
 from veloxquant.rope import RopeSpec, rotated_mean
 
 TILE = 128  # tokens per tile and threads per threadgroup of the partial kernel
@@ -2161,9 +2161,12 @@ def _encode_kernel_source(lay: Layout) -> KernelSource:
 # ---------------------------------------------------------------------------------------------
 # Host side: the cache's arrays as kernel inputs
 
-# Threadgroups the partial kernel aims for (several per multiprocessor on an H200's 132), so
-# that one query's attention fills the GPU; splits never go below MIN_SPLIT tokens.
-TARGET_GROUPS = 528
+# Threadgroups the split kernel aims for, so that one query's attention fills the GPU: None is
+# one wave of the one-launch kernel on CUDA, GROUPS_PER_MULTIPROCESSOR on each multiprocessor
+# (528 on an H100 or H200, the count timed there), 528 on Metal (not timed); an int overrides
+# it. Splits never go below MIN_SPLIT tokens.
+TARGET_GROUPS: int | None = None
+GROUPS_PER_MULTIPROCESSOR = 4  # the one-launch kernel's launch bounds (MMA_MIN_THREADGROUPS)
 MIN_SPLIT = 512
 PARAMS = 16  # int32 slots of iparams (>= 8 elements, see veloxquant.kernels.launch)
 # Where the encoder's four parameters start in a decode step's iparams (slots 0-7 are the
@@ -2356,11 +2359,18 @@ def _dummy(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     return _CONSTS[key]
 
 
+def target_groups() -> int:
+    """TARGET_GROUPS, or where it is None, GROUPS_PER_MULTIPROCESSOR per CUDA multiprocessor
+    (528 on Metal). Read at call time, so that a benchmark can sweep it."""
+    if TARGET_GROUPS is not None:
+        return TARGET_GROUPS
+    return split_target(GROUPS_PER_MULTIPROCESSOR, 528)
+
+
 def split_tokens(n_coded: int, n_kv_heads: int, r: int, target: int | None = None) -> int:
     """Coded tokens per split (a multiple of the TILE·r tokens of a tile): enough splits for
-    about `target` threadgroups (default TARGET_GROUPS, read at call time so a benchmark can
-    sweep it)."""
-    target = TARGET_GROUPS if target is None else target
+    about `target` threadgroups (default `target_groups()`)."""
+    target = target_groups() if target is None else target
     step = TILE * r
     if n_coded == 0:
         return step
