@@ -17,7 +17,9 @@ allocated 0-14 more registers than nvcc here in that file.
 
 `--one-launch` reports the one-launch kernel instead (the decode steps' kernel on CUDA), with
 `profile_partial_kernel.py timeline-one`'s stamps: the bytes of its merge and the runs of global
-loads between two branches there, which bound the loads a thread has in flight
+loads between two branches there, which bound the loads a thread has in flight, and the
+instructions each SIMD group issues per tile of the coded tokens' loop, by kind (their count
+times the cycles per issue is the split's time, benchmarks/results/mma-tile-loop-sass-cpu.md)
 (`--constants COMBINE_FLOAT4=0` and the like set this tree's kernels module first).
 
 Needs nvcc (CUDA 12 or 13) and cuobjdump on PATH or in $CUDA_HOME/bin; the `nvidia-cuda-cuobjdump`
@@ -29,6 +31,7 @@ source includes is replaced by a stub that includes CUDA's fp16 / bf16 headers.
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import os
 import re
@@ -167,6 +170,27 @@ def one_launch_report(tag: str, kernels, work: Path) -> None:
     print(f"  {code[-1][0] + 16} bytes of SASS; the merge (split done -> merged) "
           f"{stamps[2] - stamps[1]} bytes; its longest runs of global loads between two branches: "
           + ", ".join(f"{n} ({w} of 128 bits)" for n, w in runs))  # fmt: skip
+    tile_loop_report(code, 32 * a["r"])
+
+
+def tile_loop_report(code: list[tuple[int, str]], tokens_per_warp: int) -> None:
+    """The coded tokens' tile loop: the backward branch whose body holds the most HMMAs. Its
+    instructions are what each SIMD group issues per tile (`tokens_per_warp` coded tokens), so
+    their count bounds the split's time when the schedulers issue every cycle."""
+    opcodes = [(at, re.sub(r"^@!?U?P\w+\s+", "", ins).split(" ")[0]) for at, ins in code]
+    loops = []
+    for at, ins in code:
+        target = re.search(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) < at:
+            body = [op for a, op in opcodes if int(target.group(1), 16) <= a <= at]
+            loops.append((sum(op.startswith("HMMA") for op in body), body))
+    if not loops:
+        raise SystemExit("no backward branch in the SASS: the tile loop was not found")
+    hmma, body = max(loops, key=lambda x: (x[0], len(x[1])))  # MMA off: the longest loop
+    kinds = collections.Counter(op.split(".")[0] for op in body)
+    print(f"  tile loop: {len(body)} instructions per SIMD group and tile ({hmma} HMMA), "
+          f"{len(body) / tokens_per_warp:.1f} per coded token; "
+          + ", ".join(f"{k} {n}" for k, n in kinds.most_common(10)))  # fmt: skip
 
 
 def main() -> None:
