@@ -353,10 +353,13 @@ def cuda_multiprocessors() -> int:
     return count.value
 
 
-def split_target(per_multiprocessor: int, elsewhere: int) -> int:
-    """Threadgroups one decode query's splits aim for: `per_multiprocessor` on each of the CUDA
-    GPU's multiprocessors (whole waves: a fixed count is a fraction of a wave on another card,
-    whose last groups then run alone), or `elsewhere` (Metal)."""
+def split_target(override: int | None, per_multiprocessor: int, elsewhere: int) -> int:
+    """Threadgroups one decode query's splits aim for: `override` when set, else
+    `per_multiprocessor` on each of the CUDA GPU's multiprocessors (whole waves: a fixed count
+    is a fraction of a wave on another card, whose last groups then run alone), or `elsewhere`
+    (Metal)."""
+    if override is not None:
+        return override
     if backend() == "cuda":
         return per_multiprocessor * cuda_multiprocessors()
     return elsewhere

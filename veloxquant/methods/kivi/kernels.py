@@ -507,10 +507,8 @@ def split_tiles(n_blocks: int, group_size: int, n_kv_heads: int, target: int | N
     """Tiles of the store per split: enough splits for about `target` threadgroups (default
     TARGET_GROUPS, read at call time so a benchmark can sweep it; where None,
     GROUPS_PER_MULTIPROCESSOR per CUDA multiprocessor, 1056 on Metal)."""
-    if target is None and TARGET_GROUPS is not None:
-        target = TARGET_GROUPS
     if target is None:
-        target = split_target(GROUPS_PER_MULTIPROCESSOR, 1056)
+        target = split_target(TARGET_GROUPS, GROUPS_PER_MULTIPROCESSOR, 1056)
     n_tiles = -(-n_blocks * group_size // TILE)
     if n_tiles == 0:
         return 1

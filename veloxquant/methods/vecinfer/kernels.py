@@ -2362,9 +2362,7 @@ def _dummy(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
 def target_groups() -> int:
     """TARGET_GROUPS, or where it is None, GROUPS_PER_MULTIPROCESSOR per CUDA multiprocessor
     (528 on Metal). Read at call time, so that a benchmark can sweep it."""
-    if TARGET_GROUPS is not None:
-        return TARGET_GROUPS
-    return split_target(GROUPS_PER_MULTIPROCESSOR, 528)
+    return split_target(TARGET_GROUPS, GROUPS_PER_MULTIPROCESSOR, 528)
 
 
 def split_tokens(n_coded: int, n_kv_heads: int, r: int, target: int | None = None) -> int:
