@@ -186,7 +186,10 @@ def tile_loop_report(code: list[tuple[int, str]], tokens_per_warp: int) -> None:
             loops.append((sum(op.startswith("HMMA") for op in body), body))
     if not loops:
         raise SystemExit("no backward branch in the SASS: the tile loop was not found")
-    hmma, body = max(loops, key=lambda x: (x[0], len(x[1])))  # MMA off: the longest loop
+    # the innermost loop holding the most HMMAs: nvcc also places cold blocks after a loop and
+    # branches back, so a "loop" spanning it and more code has as many; MMA off: the longest
+    most = max(h for h, _ in loops)
+    hmma, body = max(loops, key=lambda x: (x[0], -len(x[1]) if most else len(x[1])))
     kinds = collections.Counter(op.split(".")[0] for op in body)
     print(f"  tile loop: {len(body)} instructions per SIMD group and tile ({hmma} HMMA), "
           f"{len(body) / tokens_per_warp:.1f} per coded token; "
