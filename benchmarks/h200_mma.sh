@@ -21,6 +21,11 @@
 #                                       # attention-free bound arm, the host build alone
 #   bash benchmarks/h200_mma.sh tiles4  # 4 coded tokens per thread against 2, ncu inside real
 #                                       # decode steps at 64K
+#   BASE=/tmp/base_kernels.py ARMS="name=/tmp/x_kernels.py ..." bash benchmarks/h200_mma.sh loop
+#                                       # a tile-loop change against BASE (and ARMS): outputs and
+#                                       # codes, ncu inside real decode steps at 64K and 128K,
+#                                       # greedy tokens; ARMS may name exp2f, built here: this
+#                                       # tree with exp2f for the softmax's ex2.approx
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -192,6 +197,27 @@ bounds)
     --repeats 3 2>&1 | tee "$OUT/generate_bounds_8b.txt"
   echo "== the host build of a step, kernels stubbed"
   timeout 60 python benchmarks/bench_host_build.py --repeats 30 2>&1 | tee "$OUT/host_build.txt"
+  ;;
+loop)
+  BASE=${BASE:-/tmp/base_kernels.py}
+  sed 's/= vq_ex2(/= vq_exp2(/' "$K" > /tmp/exp2f_kernels.py
+  arms=(--baseline "base=$BASE")
+  for a in ${ARMS:-}; do arms+=(--baseline "$a"); done
+  echo "== this tree against $BASE, per layer step: outputs, codes, times"
+  timeout 100 python benchmarks/ab_kernel_revisions.py --baseline "$BASE" --steps \
+    --contexts 16384 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
+  for ctx in 65536 131072; do
+    echo "== ncu inside real decode steps at $ctx: fp16, this tree, ${arms[*]}"
+    timeout 170 ncu --profile-from-start off --clock-control base --cache-control none \
+      --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step$ctx.csv" \
+      python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+      --context "$ctx" --repeats 2 --steps 3 "${arms[@]}" > "$OUT/step$ctx.txt" 2>&1
+    python benchmarks/profile_decode_step.py --parse "$OUT/step$ctx.csv" --steps 3 \
+      "${arms[@]}" | tee "$OUT/step${ctx}_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
+  done
+  echo "== greedy tokens, fused against transient"
+  timeout 100 python benchmarks/check_fused_generation.py \
+    --random-weights benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/check.txt"
   ;;
 tiles4)
   # 4 coded tokens per thread (512-token tiles, 8 blocks per SIMD group: more loads in flight

@@ -204,6 +204,27 @@ inline void vq_mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (
   }
   vq_emu.warps[w]->arrive_and_wait();
 }
+inline uint32_t vq_and_opaque(uint32_t x, uint32_t m) { return x & m; }
+inline float vq_ex2(float x) {
+  const float y = std::exp2(x);
+  return y < 0x1p-126f ? 0.0f : y;
+}
+// threadgroup addresses as 32-bit offsets from an anchor: the kernel's threadgroup arrays are
+// statics of the same library, well within 2 GB of it either way
+inline char vq_emu_anchor;
+inline uint32_t vq_tg_address(const void* p) {
+  return (uint32_t)(static_cast<const char*>(p) - &vq_emu_anchor);
+}
+inline uint32_t vq_lds(uint32_t at, uint32_t) {
+  uint32_t y;
+  std::memcpy(&y, &vq_emu_anchor + (int32_t)at, 4);
+  return y;
+}
+inline uint2 vq_lds(uint32_t at, uint2) {
+  uint2 y;
+  std::memcpy(&y, &vq_emu_anchor + (int32_t)at, 8);
+  return y;
+}
 inline uint32_t vq_movmatrix_trans(uint32_t x) {
   const unsigned lane = vq_emu_tid & 31u, w = vq_emu_tid >> 5;
   vq_emu.xfrag[w][lane][0] = x;

@@ -799,6 +799,36 @@ __device__ inline uint32_t vq_pack_half2(float lo, float hi) {
   return (uint32_t)__half_as_ushort(__float2half_rn(lo)) |
          ((uint32_t)__half_as_ushort(__float2half_rn(hi)) << 16);
 }
+// x & m, opaque to the compiler's front end: it would otherwise rewrite (x & m) >> k as
+// (x >> k) & (m >> k), and the shift could no longer fold into the address add
+__device__ inline uint32_t vq_and_opaque(uint32_t x, uint32_t m) {
+  uint32_t y;
+  asm("and.b32 %0, %1, %2;\n" : "=r"(y) : "r"(x), "r"(m));
+  return y;
+}
+// a 32- or 64-bit word of threadgroup memory at the shared-window address `at`: addresses
+// kept as 32-bit integers fold an add into the address arithmetic (a pointer into threadgroup
+// memory carries the window base as a separate add)
+__device__ inline uint32_t vq_lds(uint32_t at, uint32_t) {
+  uint32_t y;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(y) : "r"(at) : "memory");
+  return y;
+}
+__device__ inline uint2 vq_lds(uint32_t at, uint2) {
+  uint2 y;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(y.x), "=r"(y.y) : "r"(at) : "memory");
+  return y;
+}
+// 2^x by the SFU alone (relative error 2^-22, flushing results below 2^-126 to zero): exp2f's
+// guard for those costs five more instructions, for weights that become f16 MMA operands
+__device__ inline float vq_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ inline uint32_t vq_tg_address(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
 #endif
 // nb bits from bit b of the words w (b a constant once unrolled)
 template <int N>
@@ -823,10 +853,15 @@ VQ_FN void vq_book16(VQ_TG uint32_t* dst, const VQ_GLOBAL H* book, int tid, int 
     }
   }
 }
-// the T at byte offset `at` of a threadgroup array
-template <class T>
-VQ_FN T vq_tg_at(const VQ_TG char* base, uint32_t at) {
-  return *reinterpret_cast<const VQ_TG T*>(base + at);
+// the nb-bit code at bit b of the words w, shifted left by lg (b a constant once unrolled): a
+// mask, then a shift that folds into the caller's address add (LEA), where the code lies in
+// one word
+template <int N>
+VQ_FN uint32_t vq_bits_at(const uint32_t (&w)[N], int b, int nb, int lg) {
+  const int i = b >> 5, sh = b & 31;
+  if (sh + nb > 32) return vq_bits(w, b, nb) << lg;
+  const uint32_t x = vq_and_opaque(w[i], ((1u << nb) - 1u) << sh);
+  return sh >= lg ? x >> (sh - lg) : x << (lg - sh);
 }
 // the word of an f16 codebook entry (one or two 32-bit words) that holds its half i
 VQ_FN uint32_t vq_half_word(uint32_t e, int i) { return e; }
@@ -917,12 +952,10 @@ _MMA_TILES = (
     const VQ_GLOBAL uint32_t* kwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(key_codes);
     const VQ_GLOBAL uint32_t* vwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(value_codes);
     const VQ_GLOBAL uint4* frags = reinterpret_cast<const VQ_GLOBAL uint4*>(phase_frags);
-    // codebook copies addressed by byte offsets, code << KLG | this lane's copy: a shift and
-    // one three-input logic op from the code words to the load's address
-    const VQ_TG char* kbook16 = reinterpret_cast<const VQ_TG char*>(s_kb16);
-    const VQ_TG char* vbook16 = reinterpret_cast<const VQ_TG char*>(s_vb16);
-    const uint32_t kcopy = (uint32_t)(lane % KR16) * KEW * 4;
-    const uint32_t vcopy = (uint32_t)(lane % VR16) * VEW * 4;
+    // codebook copies by 32-bit threadgroup addresses: this lane's copy plus code << KLG, a
+    // mask and a shift-add (LEA) from a code word to a load's address
+    const uint32_t kbook_lane = vq_tg_address(s_kb16) + (uint32_t)(lane % KR16) * KEW * 4;
+    const uint32_t vbook_lane = vq_tg_address(s_vb16) + (uint32_t)(lane % VR16) * VEW * 4;
     const int kfirst = (l4 * KSB) >> 5, ksh = (l4 * KSB) & 31;  // this lane's key slice
     const int vfirst = (quad * VSB) >> 5, vsh = (quad * VSB) & 31;  // ... and value slice
     const int t_begin = split * tps;
@@ -975,15 +1008,14 @@ _MMA_TILES = (
             for (int hf = 0; hf < 2; ++hf) {
               const int n = 4 * c + 2 * hf;  // within the slice
               if (KD == 1) {
-                const uint32_t c0 = vq_bits(kw[r], n * KB, KB);
-                const uint32_t c1 = vq_bits(kw[r], (n + 1) * KB, KB);
-                const uint32_t e0 = vq_tg_at<uint32_t>(kbook16, c0 << KLG | kcopy);
-                const uint32_t e1 = vq_tg_at<uint32_t>(kbook16, c1 << KLG | kcopy);
+                const uint32_t at0 = vq_bits_at(kw[r], n * KB, KB, KLG);
+                const uint32_t at1 = vq_bits_at(kw[r], (n + 1) * KB, KB, KLG);
+                const uint32_t e0 = vq_lds(kbook_lane + at0, 0u);
+                const uint32_t e1 = vq_lds(kbook_lane + at1, 0u);
                 a[2 * hf + r] = vq_half_pair(e0, e1, 0);
               } else {
-                const uint32_t code = vq_bits(kw[r], (n / KD) * KB, KB);
-                const uint32_t at = (code << KLG | kcopy) + (n % KD) / 2 * 4;
-                a[2 * hf + r] = vq_tg_at<uint32_t>(kbook16, at);
+                const uint32_t at = vq_bits_at(kw[r], (n / KD) * KB, KB, KLG) + (n % KD) / 2 * 4;
+                a[2 * hf + r] = vq_lds(kbook_lane + at, 0u);
               }
             }
           }
@@ -1001,8 +1033,10 @@ _MMA_TILES = (
             vq_mma_16816(sc[k], a, b);
           }
         }
-        if (tb + quad >= t_end) sc[k][0] = sc[k][1] = NEG;
-        if (tb + quad + 8 >= t_end) sc[k][2] = sc[k][3] = NEG;
+        // masked scores sit NEG below any running max (which starts at NEG): their weights
+        // are 0 with no test, even in a SIMD group with no unmasked token yet
+        if (tb + quad >= t_end) sc[k][0] = sc[k][1] = 2.0f * NEG;
+        if (tb + quad + 8 >= t_end) sc[k][2] = sc[k][3] = 2.0f * NEG;
       }
       // the online softmax over the SIMD group's blocks: lanes of one l4 hold the same heads
       float mnew[2];
@@ -1015,7 +1049,7 @@ _MMA_TILES = (
         x = VQ_FMAX(x, vq_shfl_xor(x, 8));
         x = VQ_FMAX(x, vq_shfl_xor(x, 16));
         mnew[e] = VQ_FMAX(m_run[e], x);
-        const float al = vq_exp2(m_run[e] - mnew[e]);
+        const float al = vq_ex2(m_run[e] - mnew[e]);
         m_run[e] = mnew[e];
         l_run[e] *= al;
         VQ_UNROLL
@@ -1031,7 +1065,7 @@ _MMA_TILES = (
         float p[4];
         VQ_UNROLL
         for (int e = 0; e < 4; ++e) {
-          p[e] = sc[k][e] > 0.5f * NEG ? vq_exp2(sc[k][e] - mnew[e & 1]) : 0.0f;
+          p[e] = vq_ex2(sc[k][e] - mnew[e & 1]);  // masked: at most NEG, so 0
           l_run[e & 1] += p[e];
         }
         const uint32_t pb[2] = {vq_movmatrix_trans(vq_pack_half2(p[0], p[1])),
@@ -1045,7 +1079,7 @@ _MMA_TILES = (
           vq_slice<VSW, VW, VALIGN>(vw, vrow + ((u & 1) + 8 * (u >> 1)) * VW, vfirst, vsh);
           VQ_UNROLL
           for (int s = 0; s < VSUB; ++s) {
-            ve[u][s] = vq_tg_at<VEWT>(vbook16, vq_bits(vw, s * VB, VB) << VLG | vcopy);
+            ve[u][s] = vq_lds(vbook_lane + vq_bits_at(vw, s * VB, VB, VLG), VEWT());
           }
         }
         VQ_UNROLL
