@@ -1,0 +1,95 @@
+"""The generated CUDA sources compile under NVRTC, the compiler MLX's CUDA backend uses, with
+its options (`tests/nvrtc.py`). The emulator tests run the same sources' logic on the CPU but
+stand in for their CUDA-only helpers; this is where those (inline PTX included) meet a real
+CUDA compiler before a GPU does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+import pytest
+
+from tests import nvrtc
+from tests.test_kernels import _layout
+from veloxquant.methods.kivi import kernels as KIVI
+from veloxquant.methods.vecinfer import kernels as K
+
+pytestmark = pytest.mark.skipif(
+    not nvrtc.available(), reason="NVRTC is installed with the test extra on x86-64 Linux only"
+)
+
+F32, I32, U8, U32, F16, BF16 = "float32", "int32", "uint8", "uint32", "float16", "bfloat16"
+# the one-launch kernel's inputs (ONE_LAUNCH_INPUTS) and outputs for bf16 queries and windows
+ONE_IN = [BF16, I32, U8, U8, U32] + [BF16] * 6 + [BF16]
+ONE_OUT = [F32, BF16]
+
+
+def _compiles(source, ins: list[str], outs: list[str], arch: str = "sm_90a") -> nvrtc.Compiled:
+    done = nvrtc.compile_cuda(source.cuda_translation_unit(ins, outs), arch)
+    assert done.ok, f"{source.name} does not compile for {arch} under NVRTC:\n{done.log[-3000:]}"
+    return done
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"head_dim": 64, "group": 3},
+        {"key_sub_dim": 1, "key_bits": 4, "group": 7},
+        {"center": False, "group": 5},
+    ],
+)
+def test_vecinfer_cuda_sources_compile_under_nvrtc(changes, monkeypatch):
+    lay = _layout(**changes)
+    for mma in (True, False):  # the one launch on the tensor cores, then on the CUDA cores
+        monkeypatch.setattr(K, "MMA", mma)
+        assert K.mma_takes(lay) is mma
+        _compiles(K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16), ONE_IN, ONE_OUT)
+    # the two launches (Metal's path, and CUDA's where the one launch does not fit)
+    partial, combine = K.attention_kernel_sources(lay, mx.float16)
+    _compiles(partial, [F32, I32, F32, U8, U8, F16, F16, F16, F16, F32, F32] + [F16] * 7, [F32] * 3)
+    _compiles(combine, [F32, F32, F32, I32, F16, F16], [F16])
+    both_in = [F32, F32, F32, I32, F16, F16] + [F16, F16, F32, F16, F16, F32, F16, F16]
+    _compiles(K.combine_encode_kernel_source(lay, mx.float16), both_in, [F16, U8, U8])
+    in_place = K.combine_encode_kernel_source(lay, mx.float16, mx.float16)
+    _compiles(in_place, both_in + [U8, U8, F16, F16], [F16])
+    encode_in = [F16, F16, I32, F32, F16, F16, F32, F16, F16, F16, F16]
+    _compiles(K.encode_kernel_source(lay), encode_in, [U8, U8])
+
+
+def test_the_tensor_core_kernel_fits_its_launch_bounds_without_spilling():
+    # MMA_MIN_THREADGROUPS threadgroups of TILE threads per multiprocessor leave each thread
+    # 65536 / (TILE * 4) = 128 registers; on Hopper (the GPUs it is tuned on) the compiler fits
+    # the default layout's kernel there without spilling, which the tile loop's speed depends
+    # on. An A100 (sm_80) compiles it too, with a few spills.
+    lay = _layout()
+    assert K.MMA and K.mma_takes(lay)
+    src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16)
+    assert src.min_threadgroups == K.MMA_MIN_THREADGROUPS
+    done = _compiles(src, ONE_IN, ONE_OUT, "sm_90a")
+    assert done.registers <= 65536 // (K.TILE * K.MMA_MIN_THREADGROUPS)
+    assert done.spill_bytes == 0, f"the tensor-core kernel spills:\n{done.log[-800:]}"
+    _compiles(src, ONE_IN, ONE_OUT, "sm_80")
+
+
+@pytest.mark.parametrize("d,group_size,bits,gq", [(64, 32, (2, 2), 3), (128, 16, (3, 6), 2)])
+def test_kivi_cuda_sources_compile_under_nvrtc(d, group_size, bits, gq):
+    lay = KIVI.Layout(d, group_size, *bits, gq)
+    ins = [F16, I32, U32, F16, F16, U32, F16] + [F16] * 7 + [I32, F32]
+    _compiles(KIVI.partial_kernel_source(lay), ins, [F32] * 3)
+    _compiles(KIVI.combine_kernel_source(d, gq, mx.bfloat16), [F32, F32, F32, I32, I32], [BF16])
+
+
+def test_nvrtc_refuses_what_only_a_cuda_compiler_sees():
+    # the emulator replaces the tensor-core helpers with C++ of its own, so an error in their
+    # PTX passes every emulator test; NVRTC (ptxas) refuses it
+    src = K.one_launch_kernel_source(_layout(), mx.bfloat16, mx.bfloat16)
+    assert "ld.shared.b32" in src.header("cuda")
+    for broken in (
+        dataclasses.replace(src, helpers=src.helpers.replace("ld.shared.b32", "ld.shrd.b32")),
+        dataclasses.replace(src, body=src.body + "\n{"),
+    ):
+        done = nvrtc.compile_cuda(broken.cuda_translation_unit(ONE_IN, ONE_OUT))
+        assert not done.ok and "error" in done.log.lower()
