@@ -59,19 +59,17 @@ def test_vecinfer_cuda_sources_compile_under_nvrtc(changes, monkeypatch):
     _compiles(K.encode_kernel_source(lay), encode_in, [U8, U8])
 
 
-def test_the_tensor_core_kernel_fits_its_launch_bounds_without_spilling():
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_the_tensor_core_kernel_keeps_its_launch_bounds(arch):
     # MMA_MIN_THREADGROUPS threadgroups of TILE threads per multiprocessor leave each thread
-    # 65536 / (TILE * 4) = 128 registers; on Hopper (the GPUs it is tuned on) the compiler fits
-    # the default layout's kernel there without spilling, which the tile loop's speed depends
-    # on. An A100 (sm_80) compiles it too, with a few spills.
+    # 65536 / (TILE * 4) = 128 registers: MLX writes the signature, so the bounds reach NVRTC
+    # through the translation unit (kernels.cuda_kernel_text), as here
     lay = _layout()
     assert K.MMA and K.mma_takes(lay)
     src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16)
     assert src.min_threadgroups == K.MMA_MIN_THREADGROUPS
-    done = _compiles(src, ONE_IN, ONE_OUT, "sm_90a")
+    done = _compiles(src, ONE_IN, ONE_OUT, arch)
     assert done.registers <= 65536 // (K.TILE * K.MMA_MIN_THREADGROUPS)
-    assert done.spill_bytes == 0, f"the tensor-core kernel spills:\n{done.log[-800:]}"
-    _compiles(src, ONE_IN, ONE_OUT, "sm_80")
 
 
 @pytest.mark.parametrize("d,group_size,bits,gq", [(64, 32, (2, 2), 3), (128, 16, (3, 6), 2)])

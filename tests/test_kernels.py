@@ -426,7 +426,9 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
     d, g, (kb, kd), (vb, vd) = layout
     h = 2
     c, normal = _random_cache(layout, h=h)
-    n = 700  # several splits of whole and partial tiles at r = 1 and 4 (MIN_SPLIT 128)
+    n = 700  # several splits of one whole or partial tile at r = 1 and 4 (MIN_SPLIT 128),
+    # then two splits of three tiles each at r = 1 (MIN_SPLIT 384): the tiles of a split
+    # carry its running softmax and phase coefficients from one to the next
     c.update_and_fetch(normal(1, h, n, d, scale=2.0), normal(1, h, n, d))
     mx.eval(c.fused_attention(normal(1, h * g, n, d), scale=0.1))
     c.update_and_fetch(normal(1, h, 1, d, scale=2.0), normal(1, h, 1, d))
@@ -436,11 +438,13 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
     lay = K.layout_of(c, h * g)
     assert lay.unsupported(backend) is None
     assert lay.value_bits == vb and lay.group == g
-    monkeypatch.setattr(K, "MIN_SPLIT", 128)
     monkeypatch.setattr(K, "MMA", True)
     c._reserve_codes(1)
-    for r in (1, 4):
-        assert K.attention_inputs(c, q, 1.0, pending, r=r)["n_splits"] >= 2
+    for r, min_split in ((1, 128), (4, 128), (1, 384)):
+        monkeypatch.setattr(K, "MIN_SPLIT", min_split)
+        n_splits = K.attention_inputs(c, q, 1.0, pending, r=r)["n_splits"]
+        assert n_splits >= 2
+        assert (-(-pending["n_coded"] // n_splits) > 2 * K.TILE * r) is (min_split == 384)
         ref = np.array(K.reference_attention(c, q, 1 / math.sqrt(d), None, pending))
         plain = {**pending, "encode": None}
         out, _, _ = _emulated_attention(backend, c, q, plain, r)

@@ -894,14 +894,19 @@ _MMA_SHARED = """
   VQ_SHARED float4 s_qt[KM * QS / 4];    // q~ per key sub-space m: [m][g][i], padded to QS
   // B fragments of the phase coefficients (two tiles' buffers) and of q~, per lane: [chunk][lane]
   VQ_SHARED uint2 s_wb[CENTER ? 2 * PC * 32 : 1];
+  // per pair j: its rotation from one tile to the next (cos, sin)
+  VQ_SHARED float2 s_wstep[CENTER ? P : 1];
   VQ_SHARED uint2 s_qb[DC * 32];
   VQ_SHARED float s_red[NWARPS * G];
   VQ_SHARED float s_lw[NWARPS * G];
   VQ_SHARED float s_mrun[G];
   VQ_SHARED float s_lrun[G];
   VQ_SHARED uint4 s_vb16[(VCODES * VR16 * VEW + 3) / 4];  // f16 value codebook copies
-  VQ_SHARED float4 s_big[BIG4];  // f16 key codebook copies, then the reduction
+  // f16 key codebook copies and, per s_wb slot, W of its (pair j, head g) rotated to the next
+  // tile's start (zero for heads past G); then the reduction
+  VQ_SHARED float4 s_big[BIG4];
   VQ_TG uint32_t* s_kb16 = reinterpret_cast<VQ_TG uint32_t*>(s_big);
+  VQ_TG float2* s_wrot = reinterpret_cast<VQ_TG float2*>(s_big + KBOOK4);
   VQ_TG float* s_acc = reinterpret_cast<VQ_TG float*>(s_big);
   VQ_TG float* s_qtf = reinterpret_cast<VQ_TG float*>(s_qt);
 """
@@ -914,8 +919,7 @@ _MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), copie
     vq_book16<VCODES, VR16, VD, VEW>(s_vbw, value_book + vbook * VCODES * VD, (int)vq_tid, TILE);
 """
 
-_MMA_TILES = (
-    """
+_MMA_TILES = """
     const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;
     // the B fragments, the same for every SIMD group, in threadgroup memory (in registers they
     // cost 32 of them): q~ of head L / 4 (zero past G) at k rows 2 (L % 4) + {0, 1} and
@@ -938,6 +942,34 @@ _MMA_TILES = (
         uint2 f;
         f.x = f.y = 0u;
         s_wb[i] = f;
+      }
+      // W = A - iB per (pair j, head g) at the split's first tile, exact; later tiles rotate it
+      // by one tile's angle, a complex multiply where a sincos (and W's loads) took five times
+      // the instructions. In the order of s_wb's slots (register e of lane 4 g + (j % 8) / 2
+      // in chunk j / 8), so that a tile's update is addressed by the slot alone.
+      const float mpos = rscale * (float)(pos0 + split * tps);
+      for (int j = (int)vq_tid; j < P; j += TILE) {
+        float sn, cs;
+        VQ_SINCOS(rscale * (float)TT * inv_freq[j], sn, cs);
+        s_wstep[j] = VQ_F2(cs, sn);
+      }
+      for (int slot = (int)vq_tid; slot < PC * 64; slot += TILE) {
+        const int lane4 = (slot >> 1) & 31, g = lane4 >> 2;
+        const int j = 8 * (slot >> 6) + 2 * (lane4 & 3) + (slot & 1);
+        float sn, cs;
+        float2 w = VQ_F2(0.0f, 0.0f);
+        if (g < G) {
+          const int ia = TRAD ? 2 * j : j;
+          const int ib = TRAD ? 2 * j + 1 : j + P;
+          const float mua = static_cast<float>(key_mean[h * D + ia]);
+          const float mub = static_cast<float>(key_mean[h * D + ib]);
+          const float qa = s_q[g * D + ia], qb = s_q[g * D + ib];
+          const float wr = qa * mua + qb * mub;
+          const float wi = qa * mub - qb * mua;
+          VQ_SINCOS(mpos * inv_freq[j], sn, cs);
+          w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
+        }
+        s_wrot[slot] = w;
       }
     }
     VQ_BARRIER();
@@ -972,13 +1004,18 @@ _MMA_TILES = (
         // 4 g + l4 in chunk pc (two buffers: a SIMD group still on the last tile reads the
         // other one)
         VQ_TG uint32_t* wbw = reinterpret_cast<VQ_TG uint32_t*>(s_wb + wbuf * PC * 32);
-"""
-    + _TILE_PHASE.replace(
-        "PHASE_STORE(wr * cs - wi * sn, wr * sn + wi * cs)",
-        "wbw[((j / 8) * 32 + 4 * g + (j % 8) / 2) * 2 + j % 2] =\n"
-        "              vq_pack_half2(wr * cs - wi * sn, wr * sn + wi * cs);",
-    )
-    + """        VQ_BARRIER();
+        // slot tid + i TILE is pair j0 + 16 i's (TILE a multiple of 64)
+        const int j0 = 8 * ((int)vq_tid >> 6) + 2 * (((int)vq_tid >> 1) & 3) + ((int)vq_tid & 1);
+        VQ_UNROLL
+        for (int i = 0; i < (PC * 64 + TILE - 1) / TILE; ++i) {
+          const int slot = (int)vq_tid + i * TILE;
+          if (PC * 64 % TILE == 0 || slot < PC * 64) {
+            const float2 w = s_wrot[slot], st = s_wstep[j0 + 16 * i];
+            wbw[slot] = vq_pack_half2(w.x, w.y);
+            s_wrot[slot] = VQ_F2(w.x * st.x - w.y * st.y, w.x * st.y + w.y * st.x);
+          }
+        }
+        VQ_BARRIER();
         wbuf ^= 1;
       }
       // scores of this SIMD group's WB blocks of the tile: C rows tokens quad and quad + 8
@@ -1145,7 +1182,6 @@ _MMA_TILES = (
       part_o[(split * HQ + h * G) * D + idx] = sum;
     }
 """
-)
 
 _MMA_BODY = (
     _PARTIAL_PARAMS
@@ -1787,16 +1823,18 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
         "VEWT": "uint2" if vew == 2 else "uint32_t",
         "KR16": kr,
         "VR16": vr,
+        "KBOOK4": (1 << lay.key_bits) * kr * kew // 4,  # float4s of the key codebook copies
         "KLG": (kr * kew * 4).bit_length() - 1,  # log2 of a code's bytes in the copies' array
         "VLG": (vr * vew * 4).bit_length() - 1,
     }
 
 
 def _mma_big4(lay: Layout, r: int) -> int:
-    """float4s of the tensor-core path's key codebook copies, then its SIMD groups' rows."""
+    """float4s of the tensor-core path's key codebook copies and rotated phase coefficients,
+    then its SIMD groups' rows."""
     c = _mma_constants(lay, r)
-    books = (1 << lay.key_bits) * c["KR16"] * c["KEW"] * 4
-    return -(-max(books, 4 * (TILE // 32) * lay.group * lay.head_dim) // 16)
+    loop = 16 * c["KBOOK4"] + (8 * 64 * c["PC"] if lay.center else 0)
+    return -(-max(loop, 4 * (TILE // 32) * lay.group * lay.head_dim) // 16)
 
 
 def mma_bytes(lay: Layout, r: int) -> int:
@@ -1804,7 +1842,9 @@ def mma_bytes(lay: Layout, r: int) -> int:
     c = {**_partial_constants(lay, r), **_mma_constants(lay, r)}
     g, d, nw = lay.group, lay.head_dim, c["NWARPS"]
     big4 = one_launch_big4(lay, _mma_big4(lay, r))
-    floats = g * d + c["KM"] * c["QS"] + (2 * 2 * 32 * c["PC"] if lay.center else 0)  # s_wb
+    floats = g * d + c["KM"] * c["QS"]
+    # s_wb, s_wrot, s_wstep
+    floats += 2 * 2 * 32 * c["PC"] + 2 * c["P"] if lay.center else 0  # s_wb, s_wstep
     floats += 2 * 32 * c["DC"] + 2 * nw * g + 2 * g
     vbook = 16 * -(-((1 << lay.value_bits) * c["VR16"] * c["VEW"]) // 4)
     return 4 * floats + vbook + 16 * big4 + 4
