@@ -7,13 +7,13 @@ and bytes per phase (8B layer shape, default layout, the synthetic caches of ben
         --baseline /tmp/base_kernels.py
 
 It writes the CUDA translation unit MLX would hand NVRTC, with the timeline stamps of
-`profile_partial_kernel.py` at the phase boundaries, compiles it with nvcc (`-cubin
--arch=sm_90a`), disassembles it with cuobjdump, and reports the bytes from each stamp to the next
-in code order (the compiler's layout: the exact tokens' branch comes first, and the span that
-ends at "Hadamard" is the coded branch's start). Fetching a fully unrolled loop's instructions
-once per tile took longer than its arithmetic on the H200
-(benchmarks/results/instruction-fetch-h200.txt), so code size is worth watching. MLX's NVRTC
-allocated 0-14 more registers than nvcc here in that file.
+`profile_partial_kernel.py` at the phase boundaries, compiles it for sm_90a with NVRTC as MLX
+does (`tests/nvrtc.py`, from the test extra; `--nvcc` for nvcc -cubin instead, whose register
+allocation differs a little), disassembles it with cuobjdump, and reports the bytes from each
+stamp to the next in code order (the compiler's layout: the exact tokens' branch comes first,
+and the span that ends at "Hadamard" is the coded branch's start). Fetching a fully unrolled
+loop's instructions once per tile took longer than its arithmetic on the H200
+(benchmarks/results/instruction-fetch-h200.txt), so code size is worth watching.
 
 `--one-launch` reports the one-launch kernel instead (the decode steps' kernel on CUDA), with
 `profile_partial_kernel.py timeline-one`'s stamps: the bytes of its merge and the runs of global
@@ -22,7 +22,7 @@ instructions each SIMD group issues per tile of the coded tokens' loop, by kind 
 times the cycles per issue is the split's time, benchmarks/results/mma-tile-loop-sass-cpu.md)
 (`--constants COMBINE_FLOAT4=0` and the like set this tree's kernels module first).
 
-Needs nvcc (CUDA 12 or 13) and cuobjdump on PATH or in $CUDA_HOME/bin; the `nvidia-cuda-cuobjdump`
+Needs cuobjdump (and for `--nvcc`, nvcc) on PATH or in $CUDA_HOME/bin; the `nvidia-cuda-cuobjdump`
 wheel has one, and cuobjdump -sass runs nvdisasm (`pip install nvidia-cuda-cuobjdump
 nvidia-cuda-nvdisasm`, then their nvidia/cu13/bin on PATH). The MLX header the
 source includes is replaced by a stub that includes CUDA's fp16 / bf16 headers.
@@ -37,10 +37,14 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package
+from tests import nvrtc  # noqa: E402
 
 from ab_kernel_revisions import load_baseline
 from bench_kernels import decode_inputs
@@ -71,8 +75,22 @@ def translation_unit(kernels, stamped: bool) -> str:
     return src.cuda_translation_unit([dtype_name(x.dtype) for x in a["partial"]], outputs)
 
 
+USE_NVCC = False  # --nvcc
+
+
 def compile_and_read(source: str, work: Path, tag: str) -> tuple[str, str]:
     """(ptxas's resource line, the SASS listing) of `source`."""
+    cubin = work / f"{tag}.cubin"
+    if not USE_NVCC:
+        done = nvrtc.compile_cuda(source)
+        if not done.ok:
+            raise SystemExit(f"NVRTC failed on {tag}:\n{done.log[-3000:]}")
+        cubin.write_bytes(done.cubin)
+        used = [line.strip() for line in done.log.splitlines() if "Used" in line]
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+        return (used[0] if used else "?"), sass
     (work / "mlx/backend/cuda/device").mkdir(parents=True, exist_ok=True)
     (work / "mlx/backend/cuda/device/utils.cuh").write_text(_STUB)
     cu, cubin = work / f"{tag}.cu", work / f"{tag}.cubin"
@@ -201,7 +219,10 @@ def main() -> None:
     p.add_argument("--baseline", help="a kernels.py of another revision, reported first")
     p.add_argument("--one-launch", action="store_true", help="the one-launch kernel's merge")
     p.add_argument("--constants", nargs="*", default=[], help="NAME=INT: this tree's settings")
+    p.add_argument("--nvcc", action="store_true", help="compile with nvcc, not NVRTC")
     args = p.parse_args()
+    global USE_NVCC
+    USE_NVCC = args.nvcc
     for kv in args.constants:  # e.g. COMBINE_FLOAT4=1
         name, value = kv.split("=")
         if not isinstance(getattr(current, name, None), int):

@@ -61,6 +61,7 @@ class Compiled:
     log: str
     registers: int | None  # per thread, from ptxas (None when it did not run)
     spill_bytes: int | None  # spill stores plus spill loads
+    cubin: bytes = b""  # the binary, for cuobjdump (benchmarks/kernel_code_size.py)
 
 
 def compile_cuda(translation_unit: str, arch: str = "sm_90a") -> Compiled:
@@ -93,6 +94,12 @@ def compile_cuda(translation_unit: str, arch: str = "sm_90a") -> Compiled:
         buf = ctypes.create_string_buffer(size.value + 1)
         lib.nvrtcGetProgramLog(prog, buf)
         log = buf.value.decode(errors="replace")
+        cubin = b""
+        if rc == 0:
+            lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            binary = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetCUBIN(prog, binary)
+            cubin = binary.raw
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
     used = re.search(r"Used (\d+) registers", log)
@@ -102,4 +109,5 @@ def compile_cuda(translation_unit: str, arch: str = "sm_90a") -> Compiled:
         log=log,
         registers=int(used.group(1)) if used else None,
         spill_bytes=int(spills.group(1)) + int(spills.group(2)) if spills else None,
+        cubin=cubin,
     )
