@@ -9,7 +9,8 @@ the kinds that tell the loops apart.
 
 A loop's instructions run once per trip, so the tile loop's cost per tile is its own
 instructions plus each inner loop's times its trips (the trips are the layout's: see
-benchmarks/results/mma-tiles-cpu.md). Needs nvcc and cuobjdump, as kernel_code_size.py.
+benchmarks/results/mma-tiles-cpu.md). Compiles with NVRTC (or nvcc) and needs cuobjdump, as
+kernel_code_size.py.
 """
 
 from __future__ import annotations
