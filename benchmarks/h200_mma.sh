@@ -21,11 +21,14 @@
 #                                       # attention-free bound arm, the host build alone
 #   bash benchmarks/h200_mma.sh tiles4  # 4 coded tokens per thread against 2, ncu inside real
 #                                       # decode steps at 64K
-#   BASE=/tmp/base_kernels.py ARMS="name=/tmp/x_kernels.py ..." bash benchmarks/h200_mma.sh loop
-#                                       # a tile-loop change against BASE (and ARMS): outputs and
+#   BASE=benchmarks/_base_kernels.py ARMS="name=benchmarks/_x_kernels.py ..." \
+#     bash benchmarks/h200_mma.sh loop  # a tile-loop change against BASE (and ARMS): outputs and
 #                                       # codes, ncu inside real decode steps at 64K and 128K,
-#                                       # greedy tokens; ARMS may name exp2f, built here: this
-#                                       # tree with exp2f for the softmax's ex2.approx
+#                                       # greedy tokens. The device has no git: write the other
+#                                       # revisions' kernels.py here first (git show REV:PATH >
+#                                       # benchmarks/_NAME_kernels.py, git-ignored) and name them
+#                                       # in the device call's carry. ARMS may also name exp2f,
+#                                       # built here: this tree with exp2f for the softmax's ex2
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -199,7 +202,8 @@ bounds)
   timeout 60 python benchmarks/bench_host_build.py --repeats 30 2>&1 | tee "$OUT/host_build.txt"
   ;;
 loop)
-  BASE=${BASE:-/tmp/base_kernels.py}
+  BASE=${BASE:-benchmarks/_base_kernels.py}
+  [ -f "$BASE" ] || { echo "no $BASE: see the loop mode's comment at the top" >&2; exit 2; }
   sed 's/= vq_ex2(/= vq_exp2(/' "$K" > /tmp/exp2f_kernels.py
   arms=(--baseline "base=$BASE")
   for a in ${ARMS:-}; do arms+=(--baseline "$a"); done
