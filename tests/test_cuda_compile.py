@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from tests import nvrtc
-from tests.test_kernels import _layout
+from tests.test_kernels import LAYOUT_CHANGES, _layout
 from veloxquant.methods.kivi import kernels as KIVI
 from veloxquant.methods.vecinfer import kernels as K
 
@@ -32,15 +32,7 @@ def _compiles(source, ins: list[str], outs: list[str], arch: str = "sm_90a") -> 
     return done
 
 
-@pytest.mark.parametrize(
-    "changes",
-    [
-        {},
-        {"head_dim": 64, "group": 3},
-        {"key_sub_dim": 1, "key_bits": 4, "group": 7},
-        {"center": False, "group": 5},
-    ],
-)
+@pytest.mark.parametrize("changes", LAYOUT_CHANGES)
 def test_vecinfer_cuda_sources_compile_under_nvrtc(changes, monkeypatch):
     lay = _layout(**changes)
     for mma in (True, False):  # the one launch on the tensor cores, then on the CUDA cores
@@ -59,7 +51,7 @@ def test_vecinfer_cuda_sources_compile_under_nvrtc(changes, monkeypatch):
     _compiles(K.encode_kernel_source(lay), encode_in, [U8, U8])
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
 def test_the_tensor_core_kernel_keeps_its_launch_bounds(arch):
     # MMA_MIN_THREADGROUPS threadgroups of TILE threads per multiprocessor leave each thread
     # 65536 / (TILE * 4) = 128 registers: MLX writes the signature, so the bounds reach NVRTC

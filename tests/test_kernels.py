@@ -749,16 +749,18 @@ def _layout(**kw) -> K.Layout:
     return K.Layout(**{**base, **kw})
 
 
+# the default layout and three others: a 64-dim head, one-dim 4-bit keys with 7 query heads per
+# KV head (the most threadgroup memory), no key mean
+LAYOUT_CHANGES = [
+    {},
+    {"head_dim": 64, "group": 3},
+    {"key_sub_dim": 1, "key_bits": 4, "group": 7},
+    {"center": False, "group": 5},
+]
+
+
 @needs_cxx
-@pytest.mark.parametrize(
-    "changes",
-    [
-        {},
-        {"head_dim": 64, "group": 3},
-        {"key_sub_dim": 1, "key_bits": 4, "group": 7},
-        {"center": False, "group": 5},
-    ],
-)
+@pytest.mark.parametrize("changes", LAYOUT_CHANGES)
 def test_threadgroup_bytes_are_those_of_the_generated_sources(changes, monkeypatch):
     # Layout.unsupported() refuses layouts over THREADGROUP_LIMIT by these two counts, so they
     # must be the arrays the sources declare (read back from the compiled emulator library)

@@ -364,14 +364,9 @@ _PARTIAL_QTILDE = """    VQ_UNROLL
     VQ_BARRIER();
 """
 
-# The phase coefficients at a tile's start: PHASE_STORE(re, im) of each (pair j, head g).
-_TILE_PHASE = (
-    "        // W = A - iB per (pair j, head g), rotated to the tile's first position: exact at\n"
-    """        // every tile start; offsets within the tile come from the host table.
-        const float mpos = rscale * (float)(pos0 + tile);
-        for (int idx = (int)vq_tid; idx < P * G; idx += TILE) {
-          const int j = idx / G, g = idx % G;
-          const int ia = TRAD ? 2 * j : j;
+# W = A - iB of (pair j, head g) and the (sin, cos) of its rotation to position mpos: wr, wi,
+# sn, cs (the rotated W is wr cs - wi sn, wr sn + wi cs).
+_PHASE_W = """          const int ia = TRAD ? 2 * j : j;
           const int ib = TRAD ? 2 * j + 1 : j + P;
           const float mua = static_cast<float>(key_mean[h * D + ia]);
           const float mub = static_cast<float>(key_mean[h * D + ib]);
@@ -380,7 +375,18 @@ _TILE_PHASE = (
           const float wi = qa * mub - qb * mua;
           float sn, cs;
           VQ_SINCOS(mpos * inv_freq[j], sn, cs);
-          PHASE_STORE(wr * cs - wi * sn, wr * sn + wi * cs)
+"""
+
+# The phase coefficients at a tile's start: PHASE_STORE(re, im) of each (pair j, head g).
+_TILE_PHASE = (
+    "        // W = A - iB per (pair j, head g), rotated to the tile's first position: exact at\n"
+    """        // every tile start; offsets within the tile come from the host table.
+        const float mpos = rscale * (float)(pos0 + tile);
+        for (int idx = (int)vq_tid; idx < P * G; idx += TILE) {
+          const int j = idx / G, g = idx % G;
+"""
+    + _PHASE_W
+    + """          PHASE_STORE(wr * cs - wi * sn, wr * sn + wi * cs)
         }
 """
 )
@@ -919,7 +925,8 @@ _MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), copie
     vq_book16<VCODES, VR16, VD, VEW>(s_vbw, value_book + vbook * VCODES * VD, (int)vq_tid, TILE);
 """
 
-_MMA_TILES = """
+_MMA_TILES = (
+    """
     const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;
     // the B fragments, the same for every SIMD group, in threadgroup memory (in registers they
     // cost 32 of them): q~ of head L / 4 (zero past G) at k rows 2 (L % 4) + {0, 1} and
@@ -956,18 +963,11 @@ _MMA_TILES = """
       for (int slot = (int)vq_tid; slot < PC * 64; slot += TILE) {
         const int lane4 = (slot >> 1) & 31, g = lane4 >> 2;
         const int j = 8 * (slot >> 6) + 2 * (lane4 & 3) + (slot & 1);
-        float sn, cs;
         float2 w = VQ_F2(0.0f, 0.0f);
         if (g < G) {
-          const int ia = TRAD ? 2 * j : j;
-          const int ib = TRAD ? 2 * j + 1 : j + P;
-          const float mua = static_cast<float>(key_mean[h * D + ia]);
-          const float mub = static_cast<float>(key_mean[h * D + ib]);
-          const float qa = s_q[g * D + ia], qb = s_q[g * D + ib];
-          const float wr = qa * mua + qb * mub;
-          const float wi = qa * mub - qb * mua;
-          VQ_SINCOS(mpos * inv_freq[j], sn, cs);
-          w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
+"""
+    + _PHASE_W
+    + """          w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
         }
         s_wrot[slot] = w;
       }
@@ -1004,13 +1004,13 @@ _MMA_TILES = """
         // 4 g + l4 in chunk pc (two buffers: a SIMD group still on the last tile reads the
         // other one)
         VQ_TG uint32_t* wbw = reinterpret_cast<VQ_TG uint32_t*>(s_wb + wbuf * PC * 32);
-        // slot tid + i TILE is pair j0 + 16 i's (TILE a multiple of 64)
+        // slot tid + i TILE is pair j0 + TILE / 8 i's (TILE a multiple of 64)
         const int j0 = 8 * ((int)vq_tid >> 6) + 2 * (((int)vq_tid >> 1) & 3) + ((int)vq_tid & 1);
         VQ_UNROLL
         for (int i = 0; i < (PC * 64 + TILE - 1) / TILE; ++i) {
           const int slot = (int)vq_tid + i * TILE;
           if (PC * 64 % TILE == 0 || slot < PC * 64) {
-            const float2 w = s_wrot[slot], st = s_wstep[j0 + 16 * i];
+            const float2 w = s_wrot[slot], st = s_wstep[j0 + TILE / 8 * i];
             wbw[slot] = vq_pack_half2(w.x, w.y);
             s_wrot[slot] = VQ_F2(w.x * st.x - w.y * st.y, w.x * st.y + w.y * st.x);
           }
@@ -1182,6 +1182,7 @@ _MMA_TILES = """
       part_o[(split * HQ + h * G) * D + idx] = sum;
     }
 """
+)
 
 _MMA_BODY = (
     _PARTIAL_PARAMS
@@ -1823,7 +1824,7 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
         "VEWT": "uint2" if vew == 2 else "uint32_t",
         "KR16": kr,
         "VR16": vr,
-        "KBOOK4": (1 << lay.key_bits) * kr * kew // 4,  # float4s of the key codebook copies
+        "KBOOK4": -(-((1 << lay.key_bits) * kr * kew) // 4),  # float4s of the key book copies
         "KLG": (kr * kew * 4).bit_length() - 1,  # log2 of a code's bytes in the copies' array
         "VLG": (vr * vew * 4).bit_length() - 1,
     }
@@ -1843,7 +1844,6 @@ def mma_bytes(lay: Layout, r: int) -> int:
     g, d, nw = lay.group, lay.head_dim, c["NWARPS"]
     big4 = one_launch_big4(lay, _mma_big4(lay, r))
     floats = g * d + c["KM"] * c["QS"]
-    # s_wb, s_wrot, s_wstep
     floats += 2 * 2 * 32 * c["PC"] + 2 * c["P"] if lay.center else 0  # s_wb, s_wstep
     floats += 2 * 32 * c["DC"] + 2 * nw * g + 2 * g
     vbook = 16 * -(-((1 << lay.value_bits) * c["VR16"] * c["VEW"]) // 4)
