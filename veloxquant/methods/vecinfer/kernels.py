@@ -1060,16 +1060,24 @@ _MMA_TILES = (
           const uint32_t b[2] = {qf.x, qf.y};
           vq_mma_16816(sc[k], a, b);
         }
-        if (CENTER) {
+      }
+      if (CENTER) {
+        VQ_UNROLL
+        for (int pc = 0; pc < PC; ++pc) {
+          const uint2 wf = wb[pc * 32 + lane];
+          const uint32_t b[2] = {wf.x, wf.y};
           VQ_UNROLL
-          for (int pc = 0; pc < PC; ++pc) {
+          for (int k = 0; k < WB; ++k) {
+            const int db = (int)vq_warp * WB + k;
             const uint4 f = frags[(db * PC + pc) * 32 + lane];
             const uint32_t a[4] = {f.x, f.y, f.z, f.w};
-            const uint2 wf = wb[pc * 32 + lane];
-            const uint32_t b[2] = {wf.x, wf.y};
             vq_mma_16816(sc[k], a, b);
           }
         }
+      }
+      VQ_UNROLL
+      for (int k = 0; k < WB; ++k) {
+        const int tb = tile + ((int)vq_warp * WB + k) * 16;
         // masked scores sit NEG below any running max (which starts at NEG): their weights
         // are 0 with no test, even in a SIMD group with no unmasked token yet
         if (tb + quad >= t_end) sc[k][0] = sc[k][1] = 2.0f * NEG;
