@@ -55,7 +55,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import mlx.core as mx
@@ -118,6 +118,15 @@ class Layout:
     value_mean: bool
     value_smooth: bool
     rope_traditional: bool
+
+    # A decode step looks memos up by its layout several times per layer: the fields' hash,
+    # computed once (a frozen dataclass's own hashes all 14 fields at every lookup)
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def key_bytes(self) -> int:
@@ -1794,13 +1803,14 @@ def mma_takes(lay: Layout, r: int | None = None) -> bool:
     # memoised: a decode step asks once per layer, and mma_bytes costs the host ~8 us (the
     # module constants it reads are in the key, as tests change them)
     key = (lay, r, TILE, COMBINE_CHUNK, THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES)
-    if key not in _MMA_TAKES:
-        _MMA_TAKES[key] = (
+    takes = _MMA_TAKES.get(key)
+    if takes is None:
+        takes = _MMA_TAKES[key] = (
             lay.head_dim % 16 == 0
             and lay.group <= 8
             and mma_bytes(lay, r) <= THREADGROUP_LIMIT["cuda"]
         )
-    return _MMA_TAKES[key]
+    return takes
 
 
 _MMA_TAKES: dict[tuple, bool] = {}
