@@ -86,20 +86,18 @@ def compile_and_read(source: str, work: Path, tag: str) -> tuple[str, str]:
         if not done.ok:
             raise SystemExit(f"NVRTC failed on {tag}:\n{done.log[-3000:]}")
         cubin.write_bytes(done.cubin)
-        used = [line.strip() for line in done.log.splitlines() if "Used" in line]
-        sass = subprocess.run(
-            [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-        return (used[0] if used else "?"), sass
-    (work / "mlx/backend/cuda/device").mkdir(parents=True, exist_ok=True)
-    (work / "mlx/backend/cuda/device/utils.cuh").write_text(_STUB)
-    cu, cubin = work / f"{tag}.cu", work / f"{tag}.cubin"
-    cu.write_text(source)
-    cmd = [_tool("nvcc"), "-cubin", "-arch=sm_90a", "-std=c++17", f"-I{work}", "-Xptxas", "-v"]
-    done = subprocess.run([*cmd, str(cu), "-o", str(cubin)], capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"nvcc failed on {cu}:\n{done.stderr[-3000:]}")
-    used = [line.strip() for line in done.stderr.splitlines() if "Used" in line]
+        log = done.log
+    else:
+        (work / "mlx/backend/cuda/device").mkdir(parents=True, exist_ok=True)
+        (work / "mlx/backend/cuda/device/utils.cuh").write_text(_STUB)
+        cu = work / f"{tag}.cu"
+        cu.write_text(source)
+        cmd = [_tool("nvcc"), "-cubin", "-arch=sm_90a", "-std=c++17", f"-I{work}", "-Xptxas", "-v"]
+        done = subprocess.run([*cmd, str(cu), "-o", str(cubin)], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"nvcc failed on {cu}:\n{done.stderr[-3000:]}")
+        log = done.stderr
+    used = [line.strip() for line in log.splitlines() if "Used" in line]
     sass = subprocess.run(
         [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
     ).stdout
