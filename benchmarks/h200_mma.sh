@@ -27,8 +27,10 @@
 #                                       # greedy tokens. The device has no git: write the other
 #                                       # revisions' kernels.py here first (git show REV:PATH >
 #                                       # benchmarks/_NAME_kernels.py, git-ignored) and name them
-#                                       # in the device call's carry. ARMS may also name exp2f,
-#                                       # built here: this tree with exp2f for the softmax's ex2
+#                                       # in the device call's carry. ARMS may also name
+#                                       # exp2f=/tmp/exp2f_kernels.py (the softmax's ex2 as exp2f)
+#                                       # and noahead=/tmp/noahead_kernels.py (KEY_ROWS_AHEAD off),
+#                                       # built here from this tree
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -205,6 +207,8 @@ loop)
   BASE=${BASE:-benchmarks/_base_kernels.py}
   [ -f "$BASE" ] || { echo "no $BASE: see the loop mode's comment at the top" >&2; exit 2; }
   sed 's/= vq_ex2(/= vq_exp2(/' "$K" > /tmp/exp2f_kernels.py
+  sed 's/^KEY_ROWS_AHEAD = True$/KEY_ROWS_AHEAD = False/' "$K" > /tmp/noahead_kernels.py
+  grep -q '^KEY_ROWS_AHEAD = False$' /tmp/noahead_kernels.py || { echo "sed failed" >&2; exit 2; }
   arms=(--baseline "base=$BASE")
   for a in ${ARMS:-}; do arms+=(--baseline "$a"); done
   echo "== this tree against $BASE, per layer step: outputs, codes, times"

@@ -80,6 +80,10 @@ THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 # 2 takes 96, and timed faster from cold caches up to 64K tokens
 # (benchmarks/results/instruction-fetch-h200.txt).
 TOKENS_PER_THREAD = 2
+# The tensor-core loop loads the key rows of each SIMD group's first block of a tile one tile
+# ahead (the value rows' turn spilled: 128 registers). Not yet timed on a GPU; `h200_mma.sh
+# loop` runs it against False.
+KEY_ROWS_AHEAD = True
 # Value codes each thread has in flight while it accumulates the previous ones.
 VALUE_PREFETCH = 16
 # Key sub-vectors scored per iteration of the partial kernel's key loop, which is not unrolled
@@ -1006,6 +1010,16 @@ _MMA_TILES = (
     const VQ_GLOBAL uint32_t* kbase = kwords + (h * cap + quad) * KW + kfirst;
     const VQ_GLOBAL uint32_t* vbase = vwords + (h * cap + 2 * l4) * VW + vfirst;
     int wbuf = 0;
+    // the key rows of the SIMD group's first block of a tile, loaded a tile ahead (KAHEAD):
+    // that block's scores otherwise wait on a round trip to memory at every tile
+    uint32_t kahead[2][KSW];
+    if (KAHEAD) {
+      const VQ_GLOBAL uint32_t* krow = kbase + min(t_begin + (int)vq_warp * WB * 16, tlast) * KW;
+      VQ_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        vq_slice<KSW, KW, KALIGN>(kahead[r], krow + 8 * r * KW, kfirst, ksh);
+      }
+    }
     for (int tile = t_begin; tile < t_end; tile += TT) {
       const VQ_TG uint2* wb = s_wb + wbuf * PC * 32;
       if (CENTER) {
@@ -1041,7 +1055,12 @@ _MMA_TILES = (
         uint32_t kw[2][KSW];
         VQ_UNROLL
         for (int r = 0; r < 2; ++r) {
-          vq_slice<KSW, KW, KALIGN>(kw[r], krow + 8 * r * KW, kfirst, ksh);
+          if (KAHEAD && k == 0) {
+            VQ_UNROLL
+            for (int i = 0; i < KSW; ++i) kw[r][i] = kahead[r][i];
+          } else {
+            vq_slice<KSW, KW, KALIGN>(kw[r], krow + 8 * r * KW, kfirst, ksh);
+          }
         }
         VQ_UNROLL
         for (int e = 0; e < 4; ++e) sc[k][e] = 0.0f;
@@ -1068,6 +1087,14 @@ _MMA_TILES = (
           const uint2 qf = s_qb[c * 32 + lane];
           const uint32_t b[2] = {qf.x, qf.y};
           vq_mma_16816(sc[k], a, b);
+        }
+      }
+      if (KAHEAD) {  // past the split's end: the last block's rows again, never used
+        const int tb = tile + TT + (int)vq_warp * WB * 16;
+        const VQ_GLOBAL uint32_t* krow = kbase + min(tb, tlast) * KW;
+        VQ_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          vq_slice<KSW, KW, KALIGN>(kahead[r], krow + 8 * r * KW, kfirst, ksh);
         }
       }
       if (CENTER) {
@@ -1844,6 +1871,7 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
         "VR16": vr,
         "KBOOK4": -(-((1 << lay.key_bits) * kr * kew) // 4),  # float4s of the key book copies
         "KLG": (kr * kew * 4).bit_length() - 1,  # log2 of a code's bytes in the copies' array
+        "KAHEAD": KEY_ROWS_AHEAD,
         "VLG": (vr * vew * 4).bit_length() - 1,
     }
 
@@ -2553,7 +2581,7 @@ def attention_inputs(
     # exist) are in the key, every other input is the cache's own and fixed
     dtypes = (queries.dtype, sk.dtype, sv.dtype, wk.dtype, wv.dtype, nk.dtype, nv.dtype)
     key = ("plan", n_q, r, encode is not None, in_place, one, COMBINE_CHUNK, COMBINE_FLOAT4)
-    key += (MMA, last.dtype, *dtypes)
+    key += (MMA, KEY_ROWS_AHEAD, last.dtype, *dtypes)
     plan = memo.get(key)
     if plan is None:
         if one:
