@@ -30,7 +30,8 @@
 #                                       # in the device call's carry. ARMS may also name
 #                                       # exp2f=/tmp/exp2f_kernels.py (the softmax's ex2 as exp2f)
 #                                       # and noahead=/tmp/noahead_kernels.py (KEY_ROWS_AHEAD off),
-#                                       # built here from this tree
+#                                       # built here from this tree. NCU_CONTEXTS (default
+#                                       # "65536 131072") picks the ncu contexts
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -214,7 +215,7 @@ loop)
   echo "== this tree against $BASE, per layer step: outputs, codes, times"
   timeout 100 python benchmarks/ab_kernel_revisions.py --baseline "$BASE" --steps \
     --contexts 16384 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
-  for ctx in 65536 131072; do
+  for ctx in ${NCU_CONTEXTS:-65536 131072}; do
     echo "== ncu inside real decode steps at $ctx: fp16, this tree, ${arms[*]}"
     timeout 170 ncu --profile-from-start off --clock-control base --cache-control none \
       --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step$ctx.csv" \
