@@ -5,8 +5,10 @@ coded past as it was before the call, the window and the call's own tokens), wit
 past decoded one piece at a time (`CommVQCache.decode_keys` at the piece's positions,
 `decode_values`) under an online softmax, so no call holds the whole dequantized past: prefill
 of a long prompt stays within a piece's memory. It is the oracle a GPU kernel will be tested
-against. The kernel itself (#14 item 3: per-stage tables from the rotated query, each token's
-RoPE phase per pair) is not written yet, so the fused path is opt-in (VELOXQUANT_FUSED=1).
+against. There is no GPU kernel, so the fused path is opt-in (VELOXQUANT_FUSED=1): a 2-bit key
+at D = 128 is 21 stages of two atoms on each of 64 RoPE pairs, 28x the codebook reads per token
+of VecInfer's kernel, so one would save memory (as this twin does) but not time (README,
+"CommVQ: the twin first").
 """
 
 from __future__ import annotations
