@@ -1871,8 +1871,8 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
         "VR16": vr,
         "KBOOK4": -(-((1 << lay.key_bits) * kr * kew) // 4),  # float4s of the key book copies
         "KLG": (kr * kew * 4).bit_length() - 1,  # log2 of a code's bytes in the copies' array
-        "KAHEAD": KEY_ROWS_AHEAD,
         "VLG": (vr * vew * 4).bit_length() - 1,
+        "KAHEAD": KEY_ROWS_AHEAD,  # first key rows of a tile loaded one tile ahead
     }
 
 
