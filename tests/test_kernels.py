@@ -721,7 +721,7 @@ def test_layer_pack_holds_the_cache_s_constants(mma, monkeypatch):
         "inv_freq": np.array(const["inv_freq"]),
     }
     if mma:  # the tensor cores' phase operand instead of the CUDA cores' table
-        want["phase_frags"] = K.phase_fragments(c.rope, d, r)
+        want["phase_frags"] = K.phase_fragments(c.rope, d, r, lay.poly_pairs)
         assert segments["phase_table"][1] == 0
     else:
         want["phase_table"] = np.array(const["table"])
@@ -742,10 +742,11 @@ def test_layer_pack_holds_the_cache_s_constants(mma, monkeypatch):
 
 
 def _layout(**kw) -> K.Layout:
-    """The 8B shape's default layout (d2b6 keys per head, d4b8 shared values), changed by kw."""
+    """The 8B shape's default layout (d2b6 keys per head, d4b8 shared values, Llama-3's RoPE
+    base: 27 slow pairs in the phase polynomial), changed by kw."""
     base = dict(head_dim=128, n_kv_heads=8, group=4, key_bits=6, key_sub_dim=2, value_bits=8)
     base.update(value_sub_dim=4, key_books=8, value_books=1, hadamard=True, center=True)
-    base.update(value_mean=True, value_smooth=True, rope_traditional=False)
+    base.update(value_mean=True, value_smooth=True, rope_traditional=False, poly_pairs=27)
     return K.Layout(**{**base, **kw})
 
 
@@ -753,9 +754,9 @@ def _layout(**kw) -> K.Layout:
 # KV head (the most threadgroup memory), no key mean
 LAYOUT_CHANGES = [
     {},
-    {"head_dim": 64, "group": 3},
+    {"head_dim": 64, "group": 3, "poly_pairs": 11},
     {"key_sub_dim": 1, "key_bits": 4, "group": 7},
-    {"center": False, "group": 5},
+    {"center": False, "group": 5, "poly_pairs": 0},
 ]
 
 
@@ -797,6 +798,11 @@ def test_the_tensor_cores_follow_the_switch_and_the_threadgroup_limit(monkeypatc
     monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", need)
     assert K.mma_takes(lay, r)
     assert not K.mma_takes(dataclasses.replace(lay, group=16), r)  # more heads than mma's N
+    # the phase polynomial's pairs are chosen for tiles of up to POLY_TOKENS tokens
+    slow = dataclasses.replace(lay, poly_pairs=27)
+    assert K.mma_takes(slow, K.POLY_TOKENS // K.TILE)
+    assert K.mma_takes(lay, 2 * K.POLY_TOKENS // K.TILE)
+    assert not K.mma_takes(slow, 2 * K.POLY_TOKENS // K.TILE)
     monkeypatch.setattr(K, "MMA", False)
     assert not K.mma_takes(lay, r)
 
@@ -1119,6 +1125,17 @@ def test_slow_rope_pairs_go_to_the_phase_polynomial(base, head_dim):
     assert (turn[n:] <= K.PHASE_TAYLOR_ANGLE).all() and turn[n - 1] > K.PHASE_TAYLOR_ANGLE
     assert K.exact_pairs(rope, head_dim, 1) <= n  # shorter tiles: no more exact pairs
     assert K.exact_pairs(None, head_dim, 4) == head_dim // 2
+    # the tensor-core path: the same pairs at its longest tile (POLY_TOKENS), their 2 columns
+    # each traded for the polynomial's power columns, which saves chunks of its phase operand
+    assert K.POLY_TOKENS == 4 * K.TILE
+    poly = K.poly_pairs(rope, head_dim)
+    assert poly == head_dim // 2 - n
+    lay = _layout(head_dim=head_dim, poly_pairs=poly)
+    assert K._phase_chunks(lay) < K._phase_chunks(dataclasses.replace(lay, poly_pairs=0))
+    assert K.poly_pairs(None, head_dim) == 0
+    # too few slow pairs to save a chunk (6 of 32 at base 1e4 and D = 64): none
+    few = RopeSpec.from_module(nn.RoPE(64, base=10000.0), 64)
+    assert K.exact_pairs(few, 64, 4) < 32 and K.poly_pairs(few, 64) == 0
     # the truncation bound the constants promise
     order = K.PHASE_TAYLOR_ORDER
     assert K.PHASE_TAYLOR_ANGLE ** (order + 1) / math.factorial(order + 1) <= 1.1e-6

@@ -100,6 +100,13 @@ EXACT_BATCH = 2
 # angle^(order+1) / (order+1)!, is 1e-6 of the pairs' coefficients.
 PHASE_TAYLOR_ORDER = 5
 PHASE_TAYLOR_ANGLE = 0.3
+# The tensor-core path sums the same slow pairs as one polynomial too, chosen once per RoPE for
+# its longest tile (TILE x 4 tokens; it takes no longer ones): their 2 cos / -sin columns of the
+# phase operand each give way to the polynomial's PHASE_TAYLOR_ORDER + 1 power columns, so that
+# each SIMD group reads 5 of 8 16-column chunks of phase fragments per block at the 8B shape.
+# Not yet timed on a GPU; poly_pairs 0 in a Layout turns it off.
+POLY_TOKENS = 512
+_POLY_SLOTS = (PHASE_TAYLOR_ORDER + 2) // 2  # (cos, -sin) slots its power columns take
 _VEC = {1: "float", 2: "float2", 4: "float4"}
 _WORDS = {1: "uint32_t", 2: "uint2", 4: "uint4"}  # key code row loads, by 32-bit words
 
@@ -122,6 +129,9 @@ class Layout:
     value_mean: bool
     value_smooth: bool
     rope_traditional: bool
+    # trailing RoPE pairs the tensor-core path sums as one polynomial per tile (`poly_pairs`;
+    # 0: every pair from the phase table)
+    poly_pairs: int = 0
 
     # A decode step looks memos up by its layout several times per layer: the fields' hash,
     # computed once (a frozen dataclass's own hashes all 14 fields at every lookup)
@@ -774,11 +784,13 @@ _PARTIAL_BODY = (
 #   S[tokens][heads] = K[tokens][dims] q~^T + E[tokens][pairs] W^T
 # with K's rows looked up straight into A fragments from an f16 copy of the key codebook, q~ as
 # B fragments (heads padded to 8) in threadgroup memory, E the cos / -sin of each token's
-# offset in the tile per RoPE pair (a host-built table already in A-fragment order) and W the
-# phase coefficients at the tile start: every pair is exact, with no per-token trigonometry or
-# polynomial. Then O^T[dims][heads] += V^T[dims][tokens] P[tokens][heads], V^T looked up from an
-# f16 copy of the value codebook and P the scores' own C fragments after the online softmax,
-# rounded to f16 and transposed in registers (movmatrix). A fragment's columns may hold any
+# offset in the tile per exact RoPE pair (a host-built table already in A-fragment order) and W
+# the phase coefficients at the tile start, no per-token trigonometry; the slow pairs
+# (`Layout.poly_pairs`) instead take E's columns of the powers of the offset, and W's rows of
+# their polynomial's coefficients, summed per tile from those pairs' W. Then
+# O^T[dims][heads] += V^T[dims][tokens] P[tokens][heads], V^T looked up from an f16 copy of
+# the value codebook and P the scores' own C fragments after the online softmax, rounded to
+# f16 and transposed in registers (movmatrix). A fragment's columns may hold any
 # dims in any order as long as both operands agree, so a lane's lookups are one contiguous
 # slice of a code row: keys, quarter l4 = lane % 4 of the dims (A's columns 2 l4 + {0, 1} and
 # 8 + 2 l4 + {0, 1} of chunk c are dims KSD l4 + 4c + {0, 1, 2, 3}); values, eighth
@@ -915,6 +927,8 @@ _MMA_SHARED = """
   VQ_SHARED uint2 s_wb[CENTER ? 2 * PC * 32 : 1];
   // per pair j: its rotation from one tile to the next (cos, sin)
   VQ_SHARED float2 s_wstep[CENTER ? P : 1];
+  // W of the NPOLY slow pairs per head, [g][j - PE], each head's rotated by one SIMD group
+  VQ_SHARED float2 s_wpoly[CENTER ? G * NPS : 1];
   VQ_SHARED uint2 s_qb[DC * 32];
   VQ_SHARED float s_red[NWARPS * G];
   VQ_SHARED float s_lw[NWARPS * G];
@@ -977,12 +991,18 @@ _MMA_TILES = (
         const int lane4 = (slot >> 1) & 31, g = lane4 >> 2;
         const int j = 8 * (slot >> 6) + 2 * (lane4 & 3) + (slot & 1);
         float2 w = VQ_F2(0.0f, 0.0f);
-        if (g < G) {
+        if (g < G && j < PE) {
 """
     + _PHASE_W
     + """          w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
         }
         s_wrot[slot] = w;
+      }
+      for (int i = (int)vq_tid; i < G * NPOLY; i += TILE) {
+        const int g = i / NPS, j = PE + i % NPS;
+"""
+    + _PHASE_W
+    + """          s_wpoly[i] = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
       }
     }
     VQ_BARRIER();
@@ -1032,10 +1052,68 @@ _MMA_TILES = (
         VQ_UNROLL
         for (int i = 0; i < (PC * 64 + TILE - 1) / TILE; ++i) {
           const int slot = (int)vq_tid + i * TILE;
-          if (PC * 64 % TILE == 0 || slot < PC * 64) {
+          // the polynomial's slots (pairs PE..) are the SIMD groups' below
+          if ((PC * 64 % TILE == 0 || slot < PC * 64) && j0 + TILE / 8 * i < PE) {
             const float2 w = s_wrot[slot], st = s_wstep[j0 + TILE / 8 * i];
             wbw[slot] = vq_pack_half2(w.x, w.y);
             s_wrot[slot] = VQ_F2(w.x * st.x - w.y * st.y, w.x * st.y + w.y * st.x);
+          }
+        }
+        if (NPOLY > 0) {
+          // the slow pairs' summed phase Re(sum_j W_j e^{i x phi_j}) at x = offset / TT is the
+          // polynomial sum_k c_k x^k, c_k = Re(sum_j W_j (i phi_j)^k / k!) with phi_j one
+          // tile's angle (truncation error below 1e-6 of sum_j |W_j|): head g's c_k by SIMD
+          // group g % NWARPS, as B rows of slots PE.. (the A columns hold the powers of x)
+          for (int g = (int)vq_warp; g < G; g += NWARPS) {
+            float c[NTAY];
+            VQ_UNROLL
+            for (int k = 0; k < NTAY; ++k) c[k] = 0.0f;
+            VQ_UNROLL
+            for (int i = 0; i < (NPOLY + 31) / 32; ++i) {
+              const int u = lane + 32 * i;
+              if (NPOLY % 32 == 0 || u < NPOLY) {
+                const float2 w = s_wpoly[g * NPS + u], st = s_wstep[PE + u];
+                const float ph = rscale * (float)TT * inv_freq[PE + u];
+                float pw = 1.0f;  // phi^k / k!
+                VQ_UNROLL
+                for (int k = 0; k < NTAY; ++k) {
+                  // i^k W: real part wr, -wi, -wr, wi for k = 0, 1, 2, 3 (mod 4)
+                  const float part = (k % 2 == 0) ? w.x : w.y;
+                  c[k] += ((k % 4 == 1 || k % 4 == 2) ? -part : part) * pw;
+                  pw *= ph * (1.0f / (float)(k + 1));
+                }
+                s_wpoly[g * NPS + u] = VQ_F2(w.x * st.x - w.y * st.y, w.x * st.y + w.y * st.x);
+              }
+            }
+            // the sums over the lanes, halving the values exchanged at the first step: then
+            // the low half's lanes hold c_0 .. c_{H-1}, the high half's c_H .. (H = NTAY / 2)
+            const bool high = lane >= 16;
+            float d[NTAY / 2];
+            VQ_UNROLL
+            for (int k = 0; k < NTAY / 2; ++k) {
+              const float lo = c[k], hi = c[k + NTAY / 2];
+              d[k] = (high ? hi : lo) + vq_shfl_xor(high ? lo : hi, 16);
+            }
+            VQ_UNROLL
+            for (int m = 8; m >= 1; m >>= 1) {
+              VQ_UNROLL
+              for (int k = 0; k < NTAY / 2; ++k) d[k] += vq_shfl_xor(d[k], m);
+            }
+            // B slot PE + v of head g holds (c_2v, c_2v+1): register (PE + v) % 2 of lane
+            // 4 g + ((PE + v) % 8) / 2 in chunk (PE + v) / 8
+            const float other = vq_shfl_xor(d[0], 16);  // c_H in the low half
+            VQ_UNROLL
+            for (int v = 0; v < NTAY / 2; ++v) {
+              const int j = PE + v, k0 = 2 * v, k1 = 2 * v + 1;
+              const int at = (j / 8 * 32 + 4 * g + (j % 8) / 2) * 2 + j % 2;
+              const bool mine = k0 < NTAY / 2 ? lane == 0 : lane == 16;
+              if (mine) {
+                const float x0 = k0 < NTAY / 2 ? d[k0 % (NTAY / 2)] : d[k0 - NTAY / 2];
+                const float x1 = k1 < NTAY / 2 ? d[k1 % (NTAY / 2)]
+                                 : (k0 < NTAY / 2 ? other : d[(k1 - NTAY / 2) % (NTAY / 2)]);
+                wbw[at] = vq_pack_half2(x0, x1);
+              }
+            }
           }
         }
         VQ_BARRIER();
@@ -1821,8 +1899,9 @@ def one_launch_big4(lay: Layout, big4: int) -> int:
 
 def mma_takes(lay: Layout, r: int | None = None) -> bool:
     """Whether the one-launch kernel runs its coded tokens on the tensor cores (`_MMA_TILES`):
-    MMA on, head_dim a multiple of 16, at most 8 query heads per KV head (mma's N) and its
-    threadgroup arrays within CUDA's limit. It reads whole 16-token blocks of code rows, so the
+    MMA on, head_dim a multiple of 16, at most 8 query heads per KV head (mma's N), tiles of at
+    most POLY_TOKENS tokens when the layout has polynomial pairs and its threadgroup arrays
+    within CUDA's limit. It reads whole 16-token blocks of code rows, so the
     code buffers' capacity must be a multiple of 16 (the cache grows them by CODE_STEP)."""
     if not MMA:
         return False
@@ -1835,6 +1914,7 @@ def mma_takes(lay: Layout, r: int | None = None) -> bool:
         takes = _MMA_TAKES[key] = (
             lay.head_dim % 16 == 0
             and lay.group <= 8
+            and (lay.poly_pairs == 0 or TILE * r <= POLY_TOKENS)
             and mma_bytes(lay, r) <= THREADGROUP_LIMIT["cuda"]
         )
     return takes
@@ -1850,11 +1930,17 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
     vsb = d // 8 // vd * lay.value_bits  # ... and value slice (an eighth)
     kr = _replicas(1 << lay.key_bits, kew)
     vr = _replicas(1 << lay.value_bits, vew, MMA_VALUE_BOOK_BYTES)
+    exact = d // 2 - lay.poly_pairs
     return {
         "TT": TILE * r,  # tokens per tile
         "WB": TILE * r // (TILE // 32 * 16),  # 16-token blocks per SIMD group and tile
         "DC": d // 16,  # 16-dim chunks (key A columns, value A row blocks)
-        "PC": d // 16,  # 16-column chunks of the P phase pairs' cos / -sin
+        # 16-column chunks of the phase operand: the PE exact pairs' cos / -sin, then (with
+        # NPOLY slow pairs) the polynomial's power columns
+        "PC": _phase_chunks(lay),
+        "PE": exact,
+        "NPOLY": lay.poly_pairs,
+        "NPS": max(1, lay.poly_pairs),
         "KSD": d // 4,
         "KSB": ksb,
         "KSW": -(-ksb // 32),
@@ -1876,6 +1962,11 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
     }
 
 
+def _phase_chunks(lay: Layout) -> int:
+    slots = lay.head_dim // 2 - lay.poly_pairs + (_POLY_SLOTS if lay.poly_pairs else 0)
+    return -(-slots // 8)
+
+
 def _mma_big4(lay: Layout, r: int) -> int:
     """float4s of the tensor-core path's key codebook copies and rotated phase coefficients,
     then its SIMD groups' rows."""
@@ -1890,7 +1981,8 @@ def mma_bytes(lay: Layout, r: int) -> int:
     g, d, nw = lay.group, lay.head_dim, c["NWARPS"]
     big4 = one_launch_big4(lay, _mma_big4(lay, r))
     floats = g * d + c["KM"] * c["QS"]
-    floats += 2 * 2 * 32 * c["PC"] + 2 * c["P"] if lay.center else 0  # s_wb, s_wstep
+    if lay.center:  # s_wb, s_wstep, s_wpoly
+        floats += 2 * 2 * 32 * c["PC"] + 2 * c["P"] + 2 * g * c["NPS"]
     floats += 2 * 32 * c["DC"] + 2 * nw * g + 2 * g
     vbook = 16 * -(-((1 << lay.value_bits) * c["VR16"] * c["VEW"]) // 4)
     return 4 * floats + vbook + 16 * big4 + 4
@@ -2050,6 +2142,7 @@ def pack_segments(lay: Layout, r: int | None = None) -> dict[str, tuple[int, int
     h, d, p = lay.n_kv_heads, lay.head_dim, lay.head_dim // 2
     hd = h * d
     mma = mma_takes(lay, r)
+    frags = TILE * r // 16 * _phase_chunks(lay) * 32 * 8  # [blocks, chunks, lanes, 8]
     sizes = {
         "fparams": (8, "float32"),
         "counter": (max(8, h), "uint32"),
@@ -2061,7 +2154,7 @@ def pack_segments(lay: Layout, r: int | None = None) -> dict[str, tuple[int, int
         "value_mean": (hd if lay.value_mean else 0, "float16"),
         "inv_freq": (p if lay.center else 0, "float32"),
         "phase_table": (p * (TILE + 1) * 2 if lay.center and not mma else 0, "float32"),
-        "phase_frags": (TILE * r * d // 16 * 16 if lay.center and mma else 0, "float16"),
+        "phase_frags": (frags if lay.center and mma else 0, "float16"),
     }
     out, off = {}, 0
     for name, (n, dtype) in sizes.items():
@@ -2103,7 +2196,7 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
             "inv_freq": const["inv_freq"],
             "phase_table": const["table"],
             "phase_frags": (
-                mx.array(phase_fragments(cache.rope, lay.head_dim, r))
+                mx.array(phase_fragments(cache.rope, lay.head_dim, r, lay.poly_pairs))
                 if mma and lay.center
                 else None
             ),
@@ -2377,6 +2470,7 @@ def _layout(cache: Any, n_q_heads: int) -> Layout:
         value_mean=cache.value_mean is not None,
         value_smooth=cache.value_smooth is not None,
         rope_traditional=bool(cache.rope.traditional) if cache.rope is not None else False,
+        poly_pairs=poly_pairs(cache.rope, int(d)) if cache.key_mean is not None else 0,
     )
 
 
@@ -2384,14 +2478,30 @@ def exact_pairs(rope: RopeSpec | None, head_dim: int, r: int) -> int:
     """How many RoPE pairs (from the first) the partial kernel sums term by term: all but the
     trailing ones whose angle turns by at most PHASE_TAYLOR_ANGLE over a tile of TILE·r
     tokens, which it sums as one polynomial."""
+    return _exact_pairs_over(rope, head_dim, TILE * r)
+
+
+def _exact_pairs_over(rope: RopeSpec | None, head_dim: int, tokens: int) -> int:
     pairs = head_dim // 2
     if rope is None:
         return pairs
-    turn = float(rope.scale) * rope_inv_freq(rope, head_dim).astype(np.float64) * (TILE * r - 1)
+    turn = float(rope.scale) * rope_inv_freq(rope, head_dim).astype(np.float64) * (tokens - 1)
     n = pairs
     while n > 0 and turn[n - 1] <= PHASE_TAYLOR_ANGLE:
         n -= 1
     return n
+
+
+def poly_pairs(rope: RopeSpec | None, head_dim: int) -> int:
+    """How many trailing RoPE pairs the tensor-core path sums as one polynomial per tile: those
+    that turn by at most PHASE_TAYLOR_ANGLE over POLY_TOKENS tokens, when their polynomial's
+    power columns take fewer 16-column chunks of the phase operand than their cos / -sin
+    columns would (else 0)."""
+    pairs = head_dim // 2
+    exact = _exact_pairs_over(rope, head_dim, POLY_TOKENS)
+    if -(-(exact + _POLY_SLOTS) // 8) >= -(-pairs // 8):
+        return 0
+    return pairs - exact
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
@@ -2427,26 +2537,34 @@ def _rope_arrays(
     return inv, table, scale
 
 
-def phase_fragments(rope: RopeSpec, head_dim: int, r: int) -> np.ndarray:
-    """The tensor-core path's phase operand (`_MMA_TILES`), f16 [TILE·r / 16, D / 16, 32, 8]:
-    for block db of a tile, chunk c and lane L (quad = L / 4, l4 = L % 4), mma's A fragment
-    a0..a3 = rows (quad, pair j0), (quad + 8, j0), (quad, j0 + 1), (quad + 8, j0 + 1) with
-    j0 = 8c + 2·l4, each (cos, -sin) of the row's token offset 16·db + row times scale·θ_j
-    (zero past the P pairs). Built once per RoPE and r, shared by every layer's pack."""
-    key = ("frags", head_dim, r, tuple(sorted(rope.meta().items())), id(rope.freqs))
+def phase_fragments(rope: RopeSpec, head_dim: int, r: int, poly: int = 0) -> np.ndarray:
+    """The tensor-core path's phase operand (`_MMA_TILES`), f16 [TILE·r / 16, PC, 32, 8]: for
+    block db of a tile, chunk c and lane L (quad = L / 4, l4 = L % 4), mma's A fragment
+    a0..a3 = rows (quad, slot j0), (quad + 8, j0), (quad, j0 + 1), (quad + 8, j0 + 1) with
+    j0 = 8c + 2·l4. Slot j < PE (the pairs but the `poly` slow trailing ones) holds (cos, -sin)
+    of the row's token offset 16·db + row times scale·θ_j; slot PE + u holds the powers
+    (x^2u, x^2u+1) of x = offset / (TILE·r), whose coefficients the kernel sums from the slow
+    pairs (`Layout.poly_pairs`); later slots are zero. Built once per RoPE, r and poly, shared
+    by every layer's pack."""
+    key = ("frags", head_dim, r, poly, tuple(sorted(rope.meta().items())), id(rope.freqs))
     if key not in _CONSTS:
-        p = head_dim // 2
+        exact = head_dim // 2 - poly
+        slots = exact + (_POLY_SLOTS if poly else 0)
         phi = float(rope.scale) * rope_inv_freq(rope, head_dim).astype(np.float64)
         db, c, lane = np.meshgrid(
-            np.arange(TILE * r // 16), np.arange(head_dim // 16), np.arange(32), indexing="ij"
+            np.arange(TILE * r // 16), np.arange(-(-slots // 8)), np.arange(32), indexing="ij"
         )
         out = np.zeros((*db.shape, 8))
         for slot, (row8, hf) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
             offset = 16 * db + lane // 4 + 8 * row8
             j = 8 * c + 2 * (lane % 4) + hf
-            angle = offset * phi[np.minimum(j, p - 1)]
-            out[..., 2 * slot] = np.where(j < p, np.cos(angle), 0.0)
-            out[..., 2 * slot + 1] = np.where(j < p, -np.sin(angle), 0.0)
+            angle = offset * phi[np.minimum(j, exact - 1)]
+            x, u = offset / (TILE * r), j - exact
+            out[..., 2 * slot] = np.where(j < exact, np.cos(angle), 0.0)
+            out[..., 2 * slot + 1] = np.where(j < exact, -np.sin(angle), 0.0)
+            power = (u >= 0) & (j < slots)
+            out[..., 2 * slot] += np.where(power, x ** (2 * np.maximum(u, 0)), 0.0)
+            out[..., 2 * slot + 1] += np.where(power, x ** (2 * np.maximum(u, 0) + 1), 0.0)
         _CONSTS[key] = (out.astype(np.float16), rope.freqs)
     return _CONSTS[key][0]
 
