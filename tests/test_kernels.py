@@ -721,7 +721,10 @@ def test_layer_pack_holds_the_cache_s_constants(mma, monkeypatch):
         "inv_freq": np.array(const["inv_freq"]),
     }
     if mma:  # the tensor cores' phase operand instead of the CUDA cores' table
-        want["phase_frags"] = K.phase_fragments(c.rope, d, r, lay.poly_pairs)
+        want["phase_frags"] = K.phase_fragments(c.rope, lay, r)
+        want["poly_frags"] = K.poly_fragments(c.rope, lay, r)
+        assert lay.poly_pairs > 0  # this RoPE has slow pairs: the table is packed too
+        assert want["poly_frags"].shape == (-(-lay.poly_pairs // 8), 32, 4)
         assert segments["phase_table"][1] == 0
     else:
         want["phase_table"] = np.array(const["table"])
@@ -743,10 +746,10 @@ def test_layer_pack_holds_the_cache_s_constants(mma, monkeypatch):
 
 def _layout(**kw) -> K.Layout:
     """The 8B shape's default layout (d2b6 keys per head, d4b8 shared values, Llama-3's RoPE
-    base: 27 slow pairs in the phase polynomial), changed by kw."""
+    base: 31 slow pairs in the phase polynomial), changed by kw."""
     base = dict(head_dim=128, n_kv_heads=8, group=4, key_bits=6, key_sub_dim=2, value_bits=8)
     base.update(value_sub_dim=4, key_books=8, value_books=1, hadamard=True, center=True)
-    base.update(value_mean=True, value_smooth=True, rope_traditional=False, poly_pairs=27)
+    base.update(value_mean=True, value_smooth=True, rope_traditional=False, poly_pairs=31)
     return K.Layout(**{**base, **kw})
 
 
@@ -754,7 +757,7 @@ def _layout(**kw) -> K.Layout:
 # KV head (the most threadgroup memory), no key mean
 LAYOUT_CHANGES = [
     {},
-    {"head_dim": 64, "group": 3, "poly_pairs": 11},
+    {"head_dim": 64, "group": 3, "poly_pairs": 13},
     {"key_sub_dim": 1, "key_bits": 4, "group": 7},
     {"center": False, "group": 5, "poly_pairs": 0},
 ]
@@ -792,17 +795,17 @@ def test_the_tensor_cores_follow_the_switch_and_the_threadgroup_limit(monkeypatc
     r = K.TOKENS_PER_THREAD
     monkeypatch.setattr(K, "MMA", True)
     assert K.mma_takes(lay, r)
+    # the phase polynomial's pairs are chosen for tiles of up to POLY_TOKENS tokens
+    slow = dataclasses.replace(lay, poly_pairs=31)
+    assert K.mma_takes(slow, K.POLY_TOKENS // K.TILE)
+    assert K.mma_takes(lay, 2 * K.POLY_TOKENS // K.TILE)
+    assert not K.mma_takes(slow, 2 * K.POLY_TOKENS // K.TILE)
     need = K.mma_bytes(lay, r)
     monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", need - 1)
     assert not K.mma_takes(lay, r)
     monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", need)
     assert K.mma_takes(lay, r)
     assert not K.mma_takes(dataclasses.replace(lay, group=16), r)  # more heads than mma's N
-    # the phase polynomial's pairs are chosen for tiles of up to POLY_TOKENS tokens
-    slow = dataclasses.replace(lay, poly_pairs=27)
-    assert K.mma_takes(slow, K.POLY_TOKENS // K.TILE)
-    assert K.mma_takes(lay, 2 * K.POLY_TOKENS // K.TILE)
-    assert not K.mma_takes(slow, 2 * K.POLY_TOKENS // K.TILE)
     monkeypatch.setattr(K, "MMA", False)
     assert not K.mma_takes(lay, r)
 
@@ -1125,15 +1128,18 @@ def test_slow_rope_pairs_go_to_the_phase_polynomial(base, head_dim):
     assert (turn[n:] <= K.PHASE_TAYLOR_ANGLE).all() and turn[n - 1] > K.PHASE_TAYLOR_ANGLE
     assert K.exact_pairs(rope, head_dim, 1) <= n  # shorter tiles: no more exact pairs
     assert K.exact_pairs(None, head_dim, 4) == head_dim // 2
-    # the tensor-core path: the same pairs at its longest tile (POLY_TOKENS), their 2 columns
-    # each traded for the polynomial's power columns, which saves chunks of its phase operand
+    # the tensor-core path: the trailing pairs turning by at most POLY_ANGLE over its longest
+    # tile (POLY_TOKENS), within its order's bound, when that saves chunks of its phase operand
     assert K.POLY_TOKENS == 4 * K.TILE
     poly = K.poly_pairs(rope, head_dim)
-    assert poly == head_dim // 2 - n
+    turn = K.rope_inv_freq(rope, head_dim).astype(np.float64) * (K.POLY_TOKENS - 1)
+    assert 0 < poly < head_dim // 2
+    assert (turn[-poly:] <= K.POLY_ANGLE).all() and turn[-poly - 1] > K.POLY_ANGLE
+    assert K.POLY_ANGLE ** (K.POLY_ORDER + 1) / math.factorial(K.POLY_ORDER + 1) <= 5e-7
     lay = _layout(head_dim=head_dim, poly_pairs=poly)
-    assert K._phase_chunks(lay) < K._phase_chunks(dataclasses.replace(lay, poly_pairs=0))
+    assert K._phase_plan(lay)[2] < K._phase_plan(dataclasses.replace(lay, poly_pairs=0))[2]
     assert K.poly_pairs(None, head_dim) == 0
-    # too few slow pairs to save a chunk (6 of 32 at base 1e4 and D = 64): none
+    # too few slow pairs to save a chunk at base 1e4 and D = 64: none
     few = RopeSpec.from_module(nn.RoPE(64, base=10000.0), 64)
     assert K.exact_pairs(few, 64, 4) < 32 and K.poly_pairs(few, 64) == 0
     # the truncation bound the constants promise

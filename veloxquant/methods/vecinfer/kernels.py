@@ -100,13 +100,17 @@ EXACT_BATCH = 2
 # angle^(order+1) / (order+1)!, is 1e-6 of the pairs' coefficients.
 PHASE_TAYLOR_ORDER = 5
 PHASE_TAYLOR_ANGLE = 0.3
-# The tensor-core path sums the same slow pairs as one polynomial too, chosen once per RoPE for
-# its longest tile (TILE x 4 tokens; it takes no longer ones): their 2 cos / -sin columns of the
-# phase operand each give way to the polynomial's PHASE_TAYLOR_ORDER + 1 power columns, so that
-# each SIMD group reads 5 of 8 16-column chunks of phase fragments per block at the 8B shape.
-# Not yet timed on a GPU; poly_pairs 0 in a Layout turns it off.
+# The tensor-core path sums the slow pairs as one polynomial too (`poly_pairs`), chosen once per
+# RoPE for its longest tile (POLY_TOKENS; it takes no longer ones): the pairs turning by at most
+# POLY_ANGLE over it, which the CUDA cores' test chooses over the default 256-token tile. Their
+# 2 cos / -sin columns each of the phase operand give way to the POLY_ORDER + 1 = 8 power
+# columns of one chunk, whose coefficients each SIMD group sums per tile with a few MMAs of
+# the pairs' W by a host-built table: at the 8B shape 5 of 8 16-column phase chunks per block,
+# and 4 MMAs for the sums. The truncation error, 0.6^8 / 8!, is 4e-7 of the pairs' W. Not yet
+# timed on a GPU; poly_pairs 0 in a Layout turns it off.
 POLY_TOKENS = 512
-_POLY_SLOTS = (PHASE_TAYLOR_ORDER + 2) // 2  # (cos, -sin) slots its power columns take
+POLY_ANGLE = 0.6
+POLY_ORDER = 7
 _VEC = {1: "float", 2: "float2", 4: "float4"}
 _WORDS = {1: "uint32_t", 2: "uint2", 4: "uint4"}  # key code row loads, by 32-bit words
 
@@ -923,12 +927,13 @@ VQ_FN void vq_slice(uint32_t (&out)[SW], const VQ_GLOBAL uint32_t* at, int first
 _MMA_SHARED = """
   VQ_SHARED float s_q[G * D];            // scaled queries
   VQ_SHARED float4 s_qt[KM * QS / 4];    // q~ per key sub-space m: [m][g][i], padded to QS
-  // B fragments of the phase coefficients (two tiles' buffers) and of q~, per lane: [chunk][lane]
-  VQ_SHARED uint2 s_wb[CENTER ? 2 * PC * 32 : 1];
-  // per pair j: its rotation from one tile to the next (cos, sin)
-  VQ_SHARED float2 s_wstep[CENTER ? P : 1];
-  // W of the NPOLY slow pairs per head, [g][j - PE], each head's rotated by one SIMD group
-  VQ_SHARED float2 s_wpoly[CENTER ? G * NPS : 1];
+  // B fragments of the phase coefficients, then A fragments of the slow pairs' W (two tiles'
+  // buffers), and B fragments of q~, per lane: [chunk][lane]
+  VQ_SHARED uint2 s_wb[CENTER ? 2 * (PC + NPC) * 32 : 1];
+  // per slot pair jj (`phase_slot_pairs`): its rotation from one tile to the next (cos, sin)
+  VQ_SHARED float2 s_wstep[CENTER ? 8 * (PC + NPC) : 1];
+  // the B fragments that sum the polynomial's coefficients from the slow pairs' W
+  VQ_SHARED uint2 s_polyb[CENTER ? (NPC > 0 ? NPC : 1) * 32 : 1];
   VQ_SHARED uint2 s_qb[DC * 32];
   VQ_SHARED float s_red[NWARPS * G];
   VQ_SHARED float s_lw[NWARPS * G];
@@ -972,37 +977,42 @@ _MMA_TILES = (
       s_qb[i] = f;
     }
     if (CENTER) {
-      for (int i = (int)vq_tid; i < 2 * PC * 32; i += TILE) {
+      for (int i = (int)vq_tid; i < 2 * (PC + NPC) * 32; i += TILE) {
         uint2 f;
         f.x = f.y = 0u;
         s_wb[i] = f;
       }
+      for (int i = (int)vq_tid; i < NPC * 32; i += TILE) {
+        s_polyb[i] = reinterpret_cast<const VQ_GLOBAL uint2*>(poly_frags)[i];
+      }
       // W = A - iB per (pair j, head g) at the split's first tile, exact; later tiles rotate it
       // by one tile's angle, a complex multiply where a sincos (and W's loads) took five times
-      // the instructions. In the order of s_wb's slots (register e of lane 4 g + (j % 8) / 2
-      // in chunk j / 8), so that a tile's update is addressed by the slot alone.
+      // the instructions. In the order of s_wb's slots (register hf of lane 4 g + l4 in chunk
+      // c holds slot pair jj = 8 c + 2 l4 + hf), so that a tile's update is addressed by the
+      // slot alone. The pair of slot pair jj (-1: none), as phase_slot_pairs has it:
+      auto phase_pair = [](int jj) -> int {
+        const int c = jj >> 3, m = jj & 7;
+        if (NPOLY == 0 || c < PF) return jj < PE ? jj : -1;
+        if (c == PF) return (m & 1) && 8 * PF + (m >> 1) < PE ? 8 * PF + (m >> 1) : -1;
+        return 8 * (c - PC) + m < NPOLY ? PE + 8 * (c - PC) + m : -1;
+      };
       const float mpos = rscale * (float)(pos0 + split * tps);
-      for (int j = (int)vq_tid; j < P; j += TILE) {
-        float sn, cs;
-        VQ_SINCOS(rscale * (float)TT * inv_freq[j], sn, cs);
-        s_wstep[j] = VQ_F2(cs, sn);
+      for (int jj = (int)vq_tid; jj < 8 * (PC + NPC); jj += TILE) {
+        const int j = phase_pair(jj);
+        float sn = 0.0f, cs = 1.0f;
+        if (j >= 0) VQ_SINCOS(rscale * (float)TT * inv_freq[j], sn, cs);
+        s_wstep[jj] = VQ_F2(cs, sn);
       }
-      for (int slot = (int)vq_tid; slot < PC * 64; slot += TILE) {
+      for (int slot = (int)vq_tid; slot < (PC + NPC) * 64; slot += TILE) {
         const int lane4 = (slot >> 1) & 31, g = lane4 >> 2;
-        const int j = 8 * (slot >> 6) + 2 * (lane4 & 3) + (slot & 1);
+        const int j = phase_pair(8 * (slot >> 6) + 2 * (lane4 & 3) + (slot & 1));
         float2 w = VQ_F2(0.0f, 0.0f);
-        if (g < G && j < PE) {
+        if (g < G && j >= 0) {
 """
     + _PHASE_W
     + """          w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
         }
         s_wrot[slot] = w;
-      }
-      for (int i = (int)vq_tid; i < G * NPOLY; i += TILE) {
-        const int g = i / NPS, j = PE + i % NPS;
-"""
-    + _PHASE_W
-    + """          s_wpoly[i] = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
       }
     }
     VQ_BARRIER();
@@ -1041,79 +1051,24 @@ _MMA_TILES = (
       }
     }
     for (int tile = t_begin; tile < t_end; tile += TT) {
-      const VQ_TG uint2* wb = s_wb + wbuf * PC * 32;
+      const VQ_TG uint2* wb = s_wb + wbuf * (PC + NPC) * 32;
       if (CENTER) {
-        // W of pair j = 8 pc + 2 l4 + hf and head g as f16 (re, im): register hf of lane
-        // 4 g + l4 in chunk pc (two buffers: a SIMD group still on the last tile reads the
+        // W of slot pair jj = 8 c + 2 l4 + hf and head g as f16 (re, im): register hf of lane
+        // 4 g + l4 in chunk c (two buffers: a SIMD group still on the last tile reads the
         // other one)
-        VQ_TG uint32_t* wbw = reinterpret_cast<VQ_TG uint32_t*>(s_wb + wbuf * PC * 32);
-        // slot tid + i TILE is pair j0 + TILE / 8 i's (TILE a multiple of 64)
-        const int j0 = 8 * ((int)vq_tid >> 6) + 2 * (((int)vq_tid >> 1) & 3) + ((int)vq_tid & 1);
+        VQ_TG uint32_t* wbw = reinterpret_cast<VQ_TG uint32_t*>(s_wb + wbuf * (PC + NPC) * 32);
+        // the slots of heads below GP2 (the others stay zero): thread tid takes head
+        // tid % GP2 of slot pairs tid / GP2 + TILE / GP2 i, whose slots are TILE / GP2 / 8
+        // chunks apart (GP2 <= 8)
+        const int g0 = (int)vq_tid % GP2, jj0 = (int)vq_tid / GP2;
+        const int slot0 = ((jj0 >> 3) * 32 + 4 * g0 + ((jj0 & 7) >> 1)) * 2 + (jj0 & 1);
         VQ_UNROLL
-        for (int i = 0; i < (PC * 64 + TILE - 1) / TILE; ++i) {
-          const int slot = (int)vq_tid + i * TILE;
-          // the polynomial's slots (pairs PE..) are the SIMD groups' below
-          if ((PC * 64 % TILE == 0 || slot < PC * 64) && j0 + TILE / 8 * i < PE) {
-            const float2 w = s_wrot[slot], st = s_wstep[j0 + TILE / 8 * i];
+        for (int i = 0; i < (8 * (PC + NPC) * GP2 + TILE - 1) / TILE; ++i) {
+          const int jj = jj0 + TILE / GP2 * i, slot = slot0 + TILE / GP2 * 8 * i;
+          if ((G == GP2 || g0 < G) && (8 * (PC + NPC) * GP2 % TILE == 0 || jj < 8 * (PC + NPC))) {
+            const float2 w = s_wrot[slot], st = s_wstep[jj];
             wbw[slot] = vq_pack_half2(w.x, w.y);
             s_wrot[slot] = VQ_F2(w.x * st.x - w.y * st.y, w.x * st.y + w.y * st.x);
-          }
-        }
-        if (NPOLY > 0) {
-          // the slow pairs' summed phase Re(sum_j W_j e^{i x phi_j}) at x = offset / TT is the
-          // polynomial sum_k c_k x^k, c_k = Re(sum_j W_j (i phi_j)^k / k!) with phi_j one
-          // tile's angle (truncation error below 1e-6 of sum_j |W_j|): head g's c_k by SIMD
-          // group g % NWARPS, as B rows of slots PE.. (the A columns hold the powers of x)
-          for (int g = (int)vq_warp; g < G; g += NWARPS) {
-            float c[NTAY];
-            VQ_UNROLL
-            for (int k = 0; k < NTAY; ++k) c[k] = 0.0f;
-            VQ_UNROLL
-            for (int i = 0; i < (NPOLY + 31) / 32; ++i) {
-              const int u = lane + 32 * i;
-              if (NPOLY % 32 == 0 || u < NPOLY) {
-                const float2 w = s_wpoly[g * NPS + u], st = s_wstep[PE + u];
-                const float ph = rscale * (float)TT * inv_freq[PE + u];
-                float pw = 1.0f;  // phi^k / k!
-                VQ_UNROLL
-                for (int k = 0; k < NTAY; ++k) {
-                  // i^k W: real part wr, -wi, -wr, wi for k = 0, 1, 2, 3 (mod 4)
-                  const float part = (k % 2 == 0) ? w.x : w.y;
-                  c[k] += ((k % 4 == 1 || k % 4 == 2) ? -part : part) * pw;
-                  pw *= ph * (1.0f / (float)(k + 1));
-                }
-                s_wpoly[g * NPS + u] = VQ_F2(w.x * st.x - w.y * st.y, w.x * st.y + w.y * st.x);
-              }
-            }
-            // the sums over the lanes, halving the values exchanged at the first step: then
-            // the low half's lanes hold c_0 .. c_{H-1}, the high half's c_H .. (H = NTAY / 2)
-            const bool high = lane >= 16;
-            float d[NTAY / 2];
-            VQ_UNROLL
-            for (int k = 0; k < NTAY / 2; ++k) {
-              const float lo = c[k], hi = c[k + NTAY / 2];
-              d[k] = (high ? hi : lo) + vq_shfl_xor(high ? lo : hi, 16);
-            }
-            VQ_UNROLL
-            for (int m = 8; m >= 1; m >>= 1) {
-              VQ_UNROLL
-              for (int k = 0; k < NTAY / 2; ++k) d[k] += vq_shfl_xor(d[k], m);
-            }
-            // B slot PE + v of head g holds (c_2v, c_2v+1): register (PE + v) % 2 of lane
-            // 4 g + ((PE + v) % 8) / 2 in chunk (PE + v) / 8
-            const float other = vq_shfl_xor(d[0], 16);  // c_H in the low half
-            VQ_UNROLL
-            for (int v = 0; v < NTAY / 2; ++v) {
-              const int j = PE + v, k0 = 2 * v, k1 = 2 * v + 1;
-              const int at = (j / 8 * 32 + 4 * g + (j % 8) / 2) * 2 + j % 2;
-              const bool mine = k0 < NTAY / 2 ? lane == 0 : lane == 16;
-              if (mine) {
-                const float x0 = k0 < NTAY / 2 ? d[k0 % (NTAY / 2)] : d[k0 - NTAY / 2];
-                const float x1 = k1 < NTAY / 2 ? d[k1 % (NTAY / 2)]
-                                 : (k0 < NTAY / 2 ? other : d[(k1 - NTAY / 2) % (NTAY / 2)]);
-                wbw[at] = vq_pack_half2(x0, x1);
-              }
-            }
           }
         }
         VQ_BARRIER();
@@ -1176,10 +1131,27 @@ _MMA_TILES = (
         }
       }
       if (CENTER) {
+        // the slow pairs' summed phase Re(sum_j W_j e^{i x phi_j}) at x = offset / TT is the
+        // polynomial sum_k c_k x^k, c_k = Re(sum_j W_j (i phi_j)^k / k!) (phi_j the pair's
+        // angle over a tile): C[g][k] = W[g][pairs] T[pairs][k] by NPC MMAs (heads as rows,
+        // rows 8.. zero), whose C fragment (c_2l4, c_2l4+1 of head quad) is the B register
+        // of the polynomial chunk's even slots
+        uint32_t poly = 0u;
+        if (NPOLY > 0) {
+          float cp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          VQ_UNROLL
+          for (int cc = 0; cc < NPC; ++cc) {
+            const uint2 wf = wb[(PC + cc) * 32 + lane], tf = s_polyb[cc * 32 + lane];
+            const uint32_t a[4] = {wf.x, 0u, wf.y, 0u};
+            const uint32_t b[2] = {tf.x, tf.y};
+            vq_mma_16816(cp, a, b);
+          }
+          poly = vq_pack_half2(cp[0], cp[1]);
+        }
         VQ_UNROLL
         for (int pc = 0; pc < PC; ++pc) {
           const uint2 wf = wb[pc * 32 + lane];
-          const uint32_t b[2] = {wf.x, wf.y};
+          const uint32_t b[2] = {NPOLY > 0 && pc == PF ? poly : wf.x, wf.y};
           VQ_UNROLL
           for (int k = 0; k < WB; ++k) {
             const int db = (int)vq_warp * WB + k;
@@ -1930,17 +1902,20 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
     vsb = d // 8 // vd * lay.value_bits  # ... and value slice (an eighth)
     kr = _replicas(1 << lay.key_bits, kew)
     vr = _replicas(1 << lay.value_bits, vew, MMA_VALUE_BOOK_BYTES)
-    exact = d // 2 - lay.poly_pairs
+    exact, full, chunks, poly_chunks = _phase_plan(lay)
     return {
         "TT": TILE * r,  # tokens per tile
         "WB": TILE * r // (TILE // 32 * 16),  # 16-token blocks per SIMD group and tile
         "DC": d // 16,  # 16-dim chunks (key A columns, value A row blocks)
-        # 16-column chunks of the phase operand: the PE exact pairs' cos / -sin, then (with
-        # NPOLY slow pairs) the polynomial's power columns
-        "PC": _phase_chunks(lay),
+        # 16-column chunks of the phase operand (`_phase_plan`): PF of the exact pairs'
+        # cos / -sin, then with NPOLY slow pairs one of the polynomial's powers (even slots)
+        # and the last exact pairs (odd slots); NPC chunks of the slow pairs' W (A fragments)
+        "PC": chunks,
+        "PF": full,
         "PE": exact,
         "NPOLY": lay.poly_pairs,
-        "NPS": max(1, lay.poly_pairs),
+        "NPC": poly_chunks,
+        "GP2": 1 << (lay.group - 1).bit_length(),  # heads rounded up to a power of two
         "KSD": d // 4,
         "KSB": ksb,
         "KSW": -(-ksb // 32),
@@ -1962,16 +1937,39 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
     }
 
 
-def _phase_chunks(lay: Layout) -> int:
-    slots = lay.head_dim // 2 - lay.poly_pairs + (_POLY_SLOTS if lay.poly_pairs else 0)
-    return -(-slots // 8)
+def _phase_plan(lay: Layout) -> tuple[int, int, int, int]:
+    """The tensor-core path's phase operand: (exact pairs PE, chunks PF of exact pairs only,
+    chunks PC of the phase operand, chunks NPC of the slow pairs' W). A chunk is 8 slots of
+    2 columns: slot 2·l4 + hf is register hf of lanes 4g + l4 in B (`phase_slot_pairs`)."""
+    pairs, poly = lay.head_dim // 2, lay.poly_pairs
+    if not poly:
+        return pairs, -(-pairs // 8), -(-pairs // 8), 0
+    exact = pairs - poly
+    full = -(-max(0, exact - 4) // 8)  # the polynomial's chunk holds 4 exact pairs
+    return exact, full, full + 1, -(-poly // 8)
+
+
+def phase_slot_pairs(lay: Layout) -> np.ndarray:
+    """The RoPE pair of each slot jj = 8·chunk + 2·l4 + hf of the tensor-core path's phase
+    coefficients (the PC chunks of B, then the NPC chunks of the slow pairs' W), -1 for none:
+    the exact pairs in order, the last ones in the polynomial chunk's odd slots (its even ones
+    are the powers' coefficients), then the slow pairs in order."""
+    exact, full, chunks, poly_chunks = _phase_plan(lay)
+    pairs = lay.head_dim // 2
+    out = np.full(8 * (chunks + poly_chunks), -1)
+    out[: min(exact, 8 * full)] = np.arange(min(exact, 8 * full))
+    if lay.poly_pairs:
+        last = np.arange(8 * full, exact)  # at most 4
+        out[8 * full + 1 + 2 * np.arange(last.size)] = last
+        out[8 * chunks : 8 * chunks + pairs - exact] = np.arange(exact, pairs)
+    return out
 
 
 def _mma_big4(lay: Layout, r: int) -> int:
     """float4s of the tensor-core path's key codebook copies and rotated phase coefficients,
     then its SIMD groups' rows."""
     c = _mma_constants(lay, r)
-    loop = 16 * c["KBOOK4"] + (8 * 64 * c["PC"] if lay.center else 0)
+    loop = 16 * c["KBOOK4"] + (8 * 64 * (c["PC"] + c["NPC"]) if lay.center else 0)
     return -(-max(loop, 4 * (TILE // 32) * lay.group * lay.head_dim) // 16)
 
 
@@ -1981,8 +1979,8 @@ def mma_bytes(lay: Layout, r: int) -> int:
     g, d, nw = lay.group, lay.head_dim, c["NWARPS"]
     big4 = one_launch_big4(lay, _mma_big4(lay, r))
     floats = g * d + c["KM"] * c["QS"]
-    if lay.center:  # s_wb, s_wstep, s_wpoly
-        floats += 2 * 2 * 32 * c["PC"] + 2 * c["P"] + 2 * g * c["NPS"]
+    if lay.center:  # s_wb, s_wstep, s_polyb
+        floats += (2 * 2 * 32 + 2 * 8) * (c["PC"] + c["NPC"]) + 2 * 32 * max(1, c["NPC"])
     floats += 2 * 32 * c["DC"] + 2 * nw * g + 2 * g
     vbook = 16 * -(-((1 << lay.value_bits) * c["VR16"] * c["VEW"]) // 4)
     return 4 * floats + vbook + 16 * big4 + 4
@@ -2122,6 +2120,7 @@ _ONE_LAUNCH_PACK = """
   const float* inv_freq = reinterpret_cast<const float*>(layer_pack + OFF_INV_FREQ);
   const float* phase_table = reinterpret_cast<const float*>(layer_pack + OFF_PHASE_TABLE);
   const uint32_t* phase_frags = layer_pack + OFF_PHASE_FRAGS;
+  const uint32_t* poly_frags = layer_pack + OFF_POLY_FRAGS;
 """
 
 # Every split's running max, sum and output rows in the one output `parts`: [part_m][part_l]
@@ -2142,7 +2141,8 @@ def pack_segments(lay: Layout, r: int | None = None) -> dict[str, tuple[int, int
     h, d, p = lay.n_kv_heads, lay.head_dim, lay.head_dim // 2
     hd = h * d
     mma = mma_takes(lay, r)
-    frags = TILE * r // 16 * _phase_chunks(lay) * 32 * 8  # [blocks, chunks, lanes, 8]
+    _, _, chunks, poly_chunks = _phase_plan(lay)
+    frags = TILE * r // 16 * chunks * 32 * 8  # [blocks, chunks, lanes, 8]
     sizes = {
         "fparams": (8, "float32"),
         "counter": (max(8, h), "uint32"),
@@ -2155,6 +2155,7 @@ def pack_segments(lay: Layout, r: int | None = None) -> dict[str, tuple[int, int
         "inv_freq": (p if lay.center else 0, "float32"),
         "phase_table": (p * (TILE + 1) * 2 if lay.center and not mma else 0, "float32"),
         "phase_frags": (frags if lay.center and mma else 0, "float16"),
+        "poly_frags": (poly_chunks * 32 * 4 if lay.center and mma else 0, "float16"),
     }
     out, off = {}, 0
     for name, (n, dtype) in sizes.items():
@@ -2196,9 +2197,10 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
             "inv_freq": const["inv_freq"],
             "phase_table": const["table"],
             "phase_frags": (
-                mx.array(phase_fragments(cache.rope, lay.head_dim, r, lay.poly_pairs))
-                if mma and lay.center
-                else None
+                mx.array(phase_fragments(cache.rope, lay, r)) if mma and lay.center else None
+            ),
+            "poly_frags": (
+                mx.array(poly_fragments(cache.rope, lay, r)) if mma and lay.center else None
             ),
         }
         segments = pack_segments(lay, r)
@@ -2478,28 +2480,27 @@ def exact_pairs(rope: RopeSpec | None, head_dim: int, r: int) -> int:
     """How many RoPE pairs (from the first) the partial kernel sums term by term: all but the
     trailing ones whose angle turns by at most PHASE_TAYLOR_ANGLE over a tile of TILE·r
     tokens, which it sums as one polynomial."""
-    return _exact_pairs_over(rope, head_dim, TILE * r)
+    return _exact_pairs_over(rope, head_dim, TILE * r, PHASE_TAYLOR_ANGLE)
 
 
-def _exact_pairs_over(rope: RopeSpec | None, head_dim: int, tokens: int) -> int:
+def _exact_pairs_over(rope: RopeSpec | None, head_dim: int, tokens: int, angle: float) -> int:
     pairs = head_dim // 2
     if rope is None:
         return pairs
     turn = float(rope.scale) * rope_inv_freq(rope, head_dim).astype(np.float64) * (tokens - 1)
     n = pairs
-    while n > 0 and turn[n - 1] <= PHASE_TAYLOR_ANGLE:
+    while n > 0 and turn[n - 1] <= angle:
         n -= 1
     return n
 
 
 def poly_pairs(rope: RopeSpec | None, head_dim: int) -> int:
     """How many trailing RoPE pairs the tensor-core path sums as one polynomial per tile: those
-    that turn by at most PHASE_TAYLOR_ANGLE over POLY_TOKENS tokens, when their polynomial's
-    power columns take fewer 16-column chunks of the phase operand than their cos / -sin
-    columns would (else 0)."""
+    that turn by at most POLY_ANGLE over POLY_TOKENS tokens, when that takes fewer 16-column
+    chunks of its phase operand (`_phase_plan`) than their cos / -sin columns would (else 0)."""
     pairs = head_dim // 2
-    exact = _exact_pairs_over(rope, head_dim, POLY_TOKENS)
-    if -(-(exact + _POLY_SLOTS) // 8) >= -(-pairs // 8):
+    exact = _exact_pairs_over(rope, head_dim, POLY_TOKENS, POLY_ANGLE)
+    if -(-max(0, exact - 4) // 8) + 1 >= -(-pairs // 8):
         return 0
     return pairs - exact
 
@@ -2537,34 +2538,61 @@ def _rope_arrays(
     return inv, table, scale
 
 
-def phase_fragments(rope: RopeSpec, head_dim: int, r: int, poly: int = 0) -> np.ndarray:
+def phase_fragments(rope: RopeSpec, lay: Layout, r: int) -> np.ndarray:
     """The tensor-core path's phase operand (`_MMA_TILES`), f16 [TILE·r / 16, PC, 32, 8]: for
     block db of a tile, chunk c and lane L (quad = L / 4, l4 = L % 4), mma's A fragment
-    a0..a3 = rows (quad, slot j0), (quad + 8, j0), (quad, j0 + 1), (quad + 8, j0 + 1) with
-    j0 = 8c + 2·l4. Slot j < PE (the pairs but the `poly` slow trailing ones) holds (cos, -sin)
-    of the row's token offset 16·db + row times scale·θ_j; slot PE + u holds the powers
-    (x^2u, x^2u+1) of x = offset / (TILE·r), whose coefficients the kernel sums from the slow
-    pairs (`Layout.poly_pairs`); later slots are zero. Built once per RoPE, r and poly, shared
-    by every layer's pack."""
-    key = ("frags", head_dim, r, poly, tuple(sorted(rope.meta().items())), id(rope.freqs))
+    a0..a3 = rows (quad, slot 8c + 2·l4), (quad + 8, that slot), (quad, slot + 1), (quad + 8,
+    slot + 1). A slot of pair j (`phase_slot_pairs`) holds (cos, -sin) of the row's token
+    offset 16·db + row times scale·θ_j; the polynomial chunk's even slot 2·l4 holds the powers
+    (x^2l4, x^2l4+1) of x = offset / (TILE·r); other slots are zero. Built once per RoPE, layout
+    and r, shared by every layer's pack."""
+    key = ("frags", lay, r, tuple(sorted(rope.meta().items())), id(rope.freqs))
     if key not in _CONSTS:
-        exact = head_dim // 2 - poly
-        slots = exact + (_POLY_SLOTS if poly else 0)
-        phi = float(rope.scale) * rope_inv_freq(rope, head_dim).astype(np.float64)
+        _, full, chunks, _ = _phase_plan(lay)
+        pair = phase_slot_pairs(lay)[: 8 * chunks]
+        phi = float(rope.scale) * rope_inv_freq(rope, lay.head_dim).astype(np.float64)
         db, c, lane = np.meshgrid(
-            np.arange(TILE * r // 16), np.arange(-(-slots // 8)), np.arange(32), indexing="ij"
+            np.arange(TILE * r // 16), np.arange(chunks), np.arange(32), indexing="ij"
         )
         out = np.zeros((*db.shape, 8))
         for slot, (row8, hf) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
             offset = 16 * db + lane // 4 + 8 * row8
-            j = 8 * c + 2 * (lane % 4) + hf
-            angle = offset * phi[np.minimum(j, exact - 1)]
-            x, u = offset / (TILE * r), j - exact
-            out[..., 2 * slot] = np.where(j < exact, np.cos(angle), 0.0)
-            out[..., 2 * slot + 1] = np.where(j < exact, -np.sin(angle), 0.0)
-            power = (u >= 0) & (j < slots)
-            out[..., 2 * slot] += np.where(power, x ** (2 * np.maximum(u, 0)), 0.0)
-            out[..., 2 * slot + 1] += np.where(power, x ** (2 * np.maximum(u, 0) + 1), 0.0)
+            j = pair[8 * c + 2 * (lane % 4) + hf]
+            angle = offset * phi[np.maximum(j, 0)]
+            out[..., 2 * slot] = np.where(j >= 0, np.cos(angle), 0.0)
+            out[..., 2 * slot + 1] = np.where(j >= 0, -np.sin(angle), 0.0)
+            if lay.poly_pairs and hf == 0:
+                x, k = offset / (TILE * r), 2 * (lane % 4)
+                out[..., 2 * slot] = np.where(c == full, x**k, out[..., 2 * slot])
+                out[..., 2 * slot + 1] = np.where(c == full, x ** (k + 1), out[..., 2 * slot + 1])
+        _CONSTS[key] = (out.astype(np.float16), rope.freqs)
+    return _CONSTS[key][0]
+
+
+def poly_fragments(rope: RopeSpec, lay: Layout, r: int) -> np.ndarray:
+    """The table by which the tensor-core path sums its phase polynomial's coefficients from the
+    slow pairs' W, as mma B fragments, f16 [NPC, 32, 4]: c_k = Re(sum_j W_j (i phi_j)^k / k!)
+    (phi_j the pair's angle over a tile of TILE·r tokens) is row k of the product of the W's
+    A fragments (head g's (re, im) of the chunk's pair 2·m + {0, 1} at columns 4·m + {0..3})
+    with this table. Lane (k = quad, l4) holds rows 2·l4 + {0, 1} and 8 + 2·l4 + {0, 1}:
+    (re, im) of the chunk's pairs 2·l4 and 2·l4 + 1."""
+    key = ("poly", lay, r, tuple(sorted(rope.meta().items())), id(rope.freqs))
+    if key not in _CONSTS:
+        exact, _, chunks, poly_chunks = _phase_plan(lay)
+        phi = float(rope.scale) * rope_inv_freq(rope, lay.head_dim).astype(np.float64) * TILE * r
+        pair = phase_slot_pairs(lay)[8 * chunks :].reshape(poly_chunks, 4, 2)  # [cc][l4][hf]
+        k = np.arange(32)[None, :, None] // 4  # [1, lane, 1]
+        j = pair[:, np.arange(32) % 4, :]  # [cc, lane, hf]
+        scaled = np.where(
+            j >= 0,
+            phi[np.maximum(j, 0)] ** k / np.array([math.factorial(i) for i in range(8)])[k],
+            0.0,
+        )
+        # Re(W i^k) = re, -im, -re, im for k = 0, 1, 2, 3 (mod 4)
+        re = np.where(k % 2 == 0, np.where(k % 4 == 0, scaled, -scaled), 0.0)
+        im = np.where(k % 2 == 1, np.where(k % 4 == 1, -scaled, scaled), 0.0)
+        out = np.stack([re[..., 0], im[..., 0], re[..., 1], im[..., 1]], axis=-1)
+        assert exact + lay.poly_pairs == lay.head_dim // 2
         _CONSTS[key] = (out.astype(np.float16), rope.freqs)
     return _CONSTS[key][0]
 
