@@ -29,9 +29,11 @@
 #                                       # benchmarks/_NAME_kernels.py, git-ignored) and name them
 #                                       # in the device call's carry. ARMS may also name
 #                                       # exp2f=/tmp/exp2f_kernels.py (the softmax's ex2 as exp2f)
-#                                       # and noahead=/tmp/noahead_kernels.py (KEY_ROWS_AHEAD off),
-#                                       # built here from this tree. NCU_CONTEXTS (default
-#                                       # "65536 131072") picks the ncu contexts
+#                                       # noahead=/tmp/noahead_kernels.py (KEY_ROWS_AHEAD off) and
+#                                       # nopoly=/tmp/nopoly_kernels.py (no phase polynomial on
+#                                       # the tensor cores), built here from this tree.
+#                                       # NCU_CONTEXTS (default "65536 131072") picks the ncu
+#                                       # contexts
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -210,6 +212,8 @@ loop)
   sed 's/= vq_ex2(/= vq_exp2(/' "$K" > /tmp/exp2f_kernels.py
   sed 's/^KEY_ROWS_AHEAD = True$/KEY_ROWS_AHEAD = False/' "$K" > /tmp/noahead_kernels.py
   grep -q '^KEY_ROWS_AHEAD = False$' /tmp/noahead_kernels.py || { echo "sed failed" >&2; exit 2; }
+  sed 's/poly_pairs=poly_pairs(cache.rope, int(d))/poly_pairs=0/' "$K" > /tmp/nopoly_kernels.py
+  grep -q 'poly_pairs=0 if cache.key_mean' /tmp/nopoly_kernels.py || { echo "sed failed" >&2; exit 2; }
   arms=(--baseline "base=$BASE")
   for a in ${ARMS:-}; do arms+=(--baseline "$a"); done
   echo "== this tree against $BASE, per layer step: outputs, codes, times"
