@@ -1873,8 +1873,8 @@ def mma_takes(lay: Layout, r: int | None = None) -> bool:
     """Whether the one-launch kernel runs its coded tokens on the tensor cores (`_MMA_TILES`):
     MMA on, head_dim a multiple of 16, at most 8 query heads per KV head (mma's N), tiles of at
     most POLY_TOKENS tokens when the layout has polynomial pairs and its threadgroup arrays
-    within CUDA's limit. It reads whole 16-token blocks of code rows, so the
-    code buffers' capacity must be a multiple of 16 (the cache grows them by CODE_STEP)."""
+    within CUDA's limit. It reads whole 16-token blocks of code rows, so the code buffers'
+    capacity must be a multiple of 16 (the cache grows them by CODE_STEP)."""
     if not MMA:
         return False
     r = TOKENS_PER_THREAD if r is None else r
@@ -2572,13 +2572,15 @@ def phase_fragments(rope: RopeSpec, lay: Layout, r: int) -> np.ndarray:
 def poly_fragments(rope: RopeSpec, lay: Layout, r: int) -> np.ndarray:
     """The table by which the tensor-core path sums its phase polynomial's coefficients from the
     slow pairs' W, as mma B fragments, f16 [NPC, 32, 4]: c_k = Re(sum_j W_j (i phi_j)^k / k!)
-    (phi_j the pair's angle over a tile of TILE·r tokens) is row k of the product of the W's
-    A fragments (head g's (re, im) of the chunk's pair 2·m + {0, 1} at columns 4·m + {0..3})
-    with this table. Lane (k = quad, l4) holds rows 2·l4 + {0, 1} and 8 + 2·l4 + {0, 1}:
-    (re, im) of the chunk's pairs 2·l4 and 2·l4 + 1."""
+    (phi_j the pair's angle over a tile of TILE·r tokens) is column k of the product of the
+    W's A fragments (row g: head g's (re, im) of the chunk's slot 2·l4 + hf at columns
+    8·hf + 2·l4 + {0, 1}) with this table, k < POLY_ORDER + 1 = 8, mma's N. Lane (k = quad,
+    l4) holds rows 2·l4 + {0, 1} and 8 + 2·l4 + {0, 1}: the factors of (re, im) of slots 2·l4
+    and 2·l4 + 1."""
     key = ("poly", lay, r, tuple(sorted(rope.meta().items())), id(rope.freqs))
     if key not in _CONSTS:
         exact, _, chunks, poly_chunks = _phase_plan(lay)
+        assert POLY_ORDER + 1 == 8 and exact + lay.poly_pairs == lay.head_dim // 2
         phi = float(rope.scale) * rope_inv_freq(rope, lay.head_dim).astype(np.float64) * TILE * r
         pair = phase_slot_pairs(lay)[8 * chunks :].reshape(poly_chunks, 4, 2)  # [cc][l4][hf]
         k = np.arange(32)[None, :, None] // 4  # [1, lane, 1]
@@ -2592,7 +2594,6 @@ def poly_fragments(rope: RopeSpec, lay: Layout, r: int) -> np.ndarray:
         re = np.where(k % 2 == 0, np.where(k % 4 == 0, scaled, -scaled), 0.0)
         im = np.where(k % 2 == 1, np.where(k % 4 == 1, -scaled, scaled), 0.0)
         out = np.stack([re[..., 0], im[..., 0], re[..., 1], im[..., 1]], axis=-1)
-        assert exact + lay.poly_pairs == lay.head_dim // 2
         _CONSTS[key] = (out.astype(np.float16), rope.freqs)
     return _CONSTS[key][0]
 
