@@ -577,7 +577,7 @@ _PARTIAL_BODY = (
                 // i^k W: real part wr, -wi, -wr, wi for k = 0, 1, 2, 3 (mod 4)
                 const float part = (k % 2 == 0) ? wr : wi;
                 c[k] += ((k % 4 == 1 || k % 4 == 2) ? -part : part) * pw;
-                pw *= ph / (float)(k + 1);
+                pw *= ph * (1.0f / (float)(k + 1));  // a constant reciprocal, no division
               }
             }
             VQ_UNROLL
