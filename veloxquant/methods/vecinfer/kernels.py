@@ -81,8 +81,8 @@ THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 # (benchmarks/results/instruction-fetch-h200.txt).
 TOKENS_PER_THREAD = 2
 # The tensor-core loop loads the key rows of each SIMD group's first block of a tile one tile
-# ahead (the value rows' turn spilled: 128 registers). Not yet timed on a GPU; `h200_mma.sh
-# loop` runs it against False.
+# ahead (the value rows' turn spilled: 128 registers). Faster inside real decode steps on an
+# H100 than False (benchmarks/results/mma-loop-h100.txt, `h200_mma.sh loop`'s noahead arm).
 KEY_ROWS_AHEAD = True
 # Value codes each thread has in flight while it accumulates the previous ones.
 VALUE_PREFETCH = 16
@@ -106,8 +106,9 @@ PHASE_TAYLOR_ANGLE = 0.3
 # 2 cos / -sin columns each of the phase operand give way to the POLY_ORDER + 1 = 8 power
 # columns of one chunk, whose coefficients each SIMD group sums per tile with a few MMAs of
 # the pairs' W by a host-built table: at the 8B shape 5 of 8 16-column phase chunks per block,
-# and 4 MMAs for the sums. The truncation error, 0.6^8 / 8!, is 4e-7 of the pairs' W. Not yet
-# timed on a GPU; poly_pairs 0 in a Layout turns it off.
+# and 4 MMAs for the sums. The truncation error, 0.6^8 / 8!, is 4e-7 of the pairs' W. Faster
+# inside real decode steps on an H100 than without (benchmarks/results/mma-loop-h100.txt,
+# `h200_mma.sh loop`'s nopoly arm); poly_pairs 0 in a Layout turns it off.
 POLY_TOKENS = 512
 POLY_ANGLE = 0.6
 POLY_ORDER = 7
