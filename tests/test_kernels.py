@@ -723,6 +723,7 @@ def test_layer_pack_holds_the_cache_s_constants(mma, monkeypatch):
     if mma:  # the tensor cores' phase operand instead of the CUDA cores' table
         want["phase_frags"] = K.phase_fragments(c.rope, lay, r)
         want["poly_frags"] = K.poly_fragments(c.rope, lay, r)
+        want["slot_pairs"] = K.phase_slot_pairs(lay).astype(np.int32)
         assert lay.poly_pairs > 0  # this RoPE has slow pairs: the table is packed too
         assert want["poly_frags"].shape == (-(-lay.poly_pairs // 8), 32, 4)
         assert segments["phase_table"][1] == 0

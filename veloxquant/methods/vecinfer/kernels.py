@@ -990,23 +990,17 @@ _MMA_TILES = (
       // by one tile's angle, a complex multiply where a sincos (and W's loads) took five times
       // the instructions. In the order of s_wb's slots (register hf of lane 4 g + l4 in chunk
       // c holds slot pair jj = 8 c + 2 l4 + hf), so that a tile's update is addressed by the
-      // slot alone. The pair of slot pair jj (-1: none), as phase_slot_pairs has it:
-      auto phase_pair = [](int jj) -> int {
-        const int c = jj >> 3, m = jj & 7;
-        if (NPOLY == 0 || c < PF) return jj < PE ? jj : -1;
-        if (c == PF) return (m & 1) && 8 * PF + (m >> 1) < PE ? 8 * PF + (m >> 1) : -1;
-        return 8 * (c - PC) + m < NPOLY ? PE + 8 * (c - PC) + m : -1;
-      };
+      // slot alone; slot_pairs[jj] is its RoPE pair (-1: none; `phase_slot_pairs`).
       const float mpos = rscale * (float)(pos0 + split * tps);
       for (int jj = (int)vq_tid; jj < 8 * (PC + NPC); jj += TILE) {
-        const int j = phase_pair(jj);
+        const int j = slot_pairs[jj];
         float sn = 0.0f, cs = 1.0f;
         if (j >= 0) VQ_SINCOS(rscale * (float)TT * inv_freq[j], sn, cs);
         s_wstep[jj] = VQ_F2(cs, sn);
       }
       for (int slot = (int)vq_tid; slot < (PC + NPC) * 64; slot += TILE) {
         const int lane4 = (slot >> 1) & 31, g = lane4 >> 2;
-        const int j = phase_pair(8 * (slot >> 6) + 2 * (lane4 & 3) + (slot & 1));
+        const int j = slot_pairs[8 * (slot >> 6) + 2 * (lane4 & 3) + (slot & 1)];
         float2 w = VQ_F2(0.0f, 0.0f);
         if (g < G && j >= 0) {
 """
@@ -2105,7 +2099,7 @@ ONE_LAUNCH_INPUTS = (
     *EXACT_INPUTS,
     "after",  # as in PARTIAL_INPUTS
 )
-PACK_TYPES = {"float32": np.float32, "float16": np.float16, "uint32": np.uint32}
+PACK_TYPES = {"float32": np.float32, "float16": np.float16, "uint32": np.uint32, "int32": np.int32}
 
 # The names the partial kernel and the encoder read, as views of the pack (CUDA: the one-launch
 # kernel is CUDA-only).
@@ -2122,6 +2116,7 @@ _ONE_LAUNCH_PACK = """
   const float* phase_table = reinterpret_cast<const float*>(layer_pack + OFF_PHASE_TABLE);
   const uint32_t* phase_frags = layer_pack + OFF_PHASE_FRAGS;
   const uint32_t* poly_frags = layer_pack + OFF_POLY_FRAGS;
+  const int* slot_pairs = reinterpret_cast<const int*>(layer_pack + OFF_SLOT_PAIRS);
 """
 
 # Every split's running max, sum and output rows in the one output `parts`: [part_m][part_l]
@@ -2157,6 +2152,7 @@ def pack_segments(lay: Layout, r: int | None = None) -> dict[str, tuple[int, int
         "phase_table": (p * (TILE + 1) * 2 if lay.center and not mma else 0, "float32"),
         "phase_frags": (frags if lay.center and mma else 0, "float16"),
         "poly_frags": (poly_chunks * 32 * 4 if lay.center and mma else 0, "float16"),
+        "slot_pairs": (8 * (chunks + poly_chunks) if lay.center and mma else 0, "int32"),
     }
     out, off = {}, 0
     for name, (n, dtype) in sizes.items():
@@ -2203,6 +2199,7 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
             "poly_frags": (
                 mx.array(poly_fragments(cache.rope, lay, r)) if mma and lay.center else None
             ),
+            "slot_pairs": mx.array(phase_slot_pairs(lay).astype(np.int32)),
         }
         segments = pack_segments(lay, r)
         pack = np.zeros(segments["end"][0] * 4, np.uint8)
