@@ -34,6 +34,11 @@
 #                                       # the tensor cores), built here from this tree.
 #                                       # NCU_CONTEXTS (default "65536 131072") picks the ncu
 #                                       # contexts
+#   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
+#                                       # decode steps at 64K, this tree against copies with one
+#                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
+#                                       # wrong outputs but one arm), then ncu's full sections and
+#                                       # per-instruction counters of this tree's kernel at 64K
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -232,6 +237,31 @@ loop)
   timeout 100 python benchmarks/check_fused_generation.py \
     --random-weights benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/check.txt"
   ;;
+costs)
+  python benchmarks/cost_arms.py /tmp > /dev/null || exit 2
+  arms=()
+  for a in vconf nophase nokrow novrow nokgather novgather stream; do
+    arms+=(--baseline "$a=/tmp/${a}_kernels.py")
+  done
+  echo "== ncu inside real decode steps at 64K (attention only): fp16, this tree, ${arms[*]}"
+  timeout 240 ncu --profile-from-start off --clock-control base --cache-control none \
+    -k 'regex:attn_|vq_step_marker|sdpa' --metrics gpu__time_duration.sum --csv --page raw \
+    --log-file "$OUT/costs65536.csv" \
+    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+    --context 65536 --repeats 2 --steps 3 "${arms[@]}" > "$OUT/costs65536.txt" 2>&1
+  python benchmarks/profile_decode_step.py --parse "$OUT/costs65536.csv" --steps 3 "${arms[@]}" \
+    | tee "$OUT/costs65536_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
+  echo "== ncu --set full, this tree's kernel in a real 64K decode step (layer 8 of the 2nd step)"
+  timeout 200 ncu --profile-from-start off --cache-control all -k regex:attn_ --launch-skip 40 \
+    --launch-count 1 --set full --import-source no -o "$OUT/full64k" -f \
+    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+    --context 65536 --repeats 1 --steps 2 > "$OUT/full64k.txt" 2>&1
+  ncu --import "$OUT/full64k.ncu-rep" --page details > "$OUT/full64k_details.txt" 2>&1
+  ncu --import "$OUT/full64k.ncu-rep" --page source --csv --print-source sass \
+    > "$OUT/full64k_sass.csv" 2>&1
+  grep -E "Duration|L1/TEX Cache Throughput|L1/TEX Hit|Issue Slots|Warp Cycles Per Issued|Eligible Warps|bank|Stall" \
+    "$OUT/full64k_details.txt" | head -40
+  ;;
 tiles4)
   # 4 coded tokens per thread (512-token tiles, 8 blocks per SIMD group: more loads in flight
   # per warp, more registers) against 2, inside real decode steps at 64K (ncu, clocks at base)
@@ -274,7 +304,7 @@ mergecuts)
     | tee "$OUT/step65536_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|merge4|mergecuts" >&2
+  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|merge4|mergecuts|loop|tiles4|bounds|costs" >&2
   exit 2
   ;;
 esac
