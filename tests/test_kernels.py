@@ -1087,6 +1087,9 @@ def test_cuda_kernels_reach_mlx_as_an_include_of_their_source(monkeypatch):
     # name, defined by the header and gone after the body (MLX's name expression follows)
     bounded = dataclasses.replace(src, min_threadgroups=4)
     assert bounded.kernel_name != src.kernel_name
+    # so do the helpers: MLX would give a second revision's kernel the first one's binary
+    helped = dataclasses.replace(src, helpers=src.helpers + "\n// another revision's helpers\n")
+    assert helped.kernel_name != src.kernel_name
     monkeypatch.setattr(vk, "CUDA_SOURCE_FILES", False)
     vk.launch(bounded, [x], (1, 1, 1), [(8,)], [mx.float32])
     name = "custom_kernel_" + calls[-1]["name"]

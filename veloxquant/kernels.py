@@ -238,7 +238,11 @@ class KernelSource:
 
     @functools.cached_property
     def kernel_name(self) -> str:
+        # MLX compiles a kernel once per name and process: whatever changes the code, the
+        # helpers included, must change the name (two revisions' kernels side by side in a
+        # benchmark otherwise share the first one's binary)
         key = repr(sorted((k, str(v)) for k, v in self.constants.items())) + self.body
+        key += "|helpers " + self.helpers
         key += f"|bounds {self.min_threadgroups}" if self.min_threadgroups else ""
         return f"{self.name}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
