@@ -879,6 +879,30 @@ VQ_FN uint32_t vq_bits(const uint32_t (&w)[N], int b, int nb) {
 // threadgroup's `threads` threads from thread `tid`
 template <int CODES, int REPS, int SD, int EW, class H>
 VQ_FN void vq_book16(VQ_TG uint32_t* dst, const VQ_GLOBAL H* book, int tid, int threads) {
+  if (SD == 2 * EW && REPS * EW % 4 == 0) {
+    // entries of whole words: each thread loads whole entries, all its loads at once (a
+    // constant trip count, unrolled; half by half in a rolled loop they were rounds of 16-bit
+    // loads to L2, the top stall before the tile loop), and stores 4 words of copies at a time
+    const VQ_GLOBAL uint32_t* words = reinterpret_cast<const VQ_GLOBAL uint32_t*>(book);
+    VQ_TG uint4* dst4 = reinterpret_cast<VQ_TG uint4*>(dst);
+    const int stores = CODES * REPS * EW / 4;
+    VQ_UNROLL
+    for (int k = 0; k < (stores + threads - 1) / threads; ++k) {
+      const int i = tid + k * threads, c = i / (REPS * EW / 4);
+      if (stores % threads == 0 || i < stores) {
+        uint4 v;
+        if (EW == 1) {
+          v.x = v.y = v.z = v.w = words[c];
+        } else {
+          const uint2 e = reinterpret_cast<const VQ_GLOBAL uint2*>(words)[c];
+          v.x = v.z = e.x;
+          v.y = v.w = e.y;
+        }
+        dst4[i] = v;
+      }
+    }
+    return;
+  }
   const VQ_GLOBAL unsigned short* bits = reinterpret_cast<const VQ_GLOBAL unsigned short*>(book);
   for (int i = tid; i < CODES * REPS; i += threads) {
     const int base = (i / REPS) * SD;
