@@ -982,8 +982,7 @@ _MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), copie
     vq_book16<VCODES, VR16, VD, VEW>(s_vbw, value_book + vbook * VCODES * VD, (int)vq_tid, TILE);
 """
 
-_MMA_TILES = (
-    """
+_MMA_TILES = """
     const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;
     // the B fragments, the same for every SIMD group, in threadgroup memory (in registers they
     // cost 32 of them): q~ of head L / 4 (zero past G) at k rows 2 (L % 4) + {0, 1} and
@@ -1015,23 +1014,63 @@ _MMA_TILES = (
       // the instructions. In the order of s_wb's slots (register hf of lane 4 g + l4 in chunk
       // c holds slot pair jj = 8 c + 2 l4 + hf), so that a tile's update is addressed by the
       // slot alone; slot_pairs[jj] is its RoPE pair (-1: none; `phase_slot_pairs`).
+      // Each thread's slots in three passes, unrolled: the slot pairs' loads, then those of
+      // what they index (clamped to pair 0 where there is none, so that no branch stands
+      // between them), then the arithmetic; as one rolled loop per slot they were two rounds
+      // to L2 per slot, one after another.
       const float mpos = rscale * (float)(pos0 + split * tps);
-      for (int jj = (int)vq_tid; jj < 8 * (PC + NPC); jj += TILE) {
-        const int j = slot_pairs[jj];
-        float sn = 0.0f, cs = 1.0f;
-        if (j >= 0) VQ_SINCOS(rscale * (float)TT * inv_freq[j], sn, cs);
-        s_wstep[jj] = VQ_F2(cs, sn);
-      }
-      for (int slot = (int)vq_tid; slot < (PC + NPC) * 64; slot += TILE) {
-        const int lane4 = (slot >> 1) & 31, g = lane4 >> 2;
-        const int j = slot_pairs[8 * (slot >> 6) + 2 * (lane4 & 3) + (slot & 1)];
-        float2 w = VQ_F2(0.0f, 0.0f);
-        if (g < G && j >= 0) {
-"""
-    + _PHASE_W
-    + """          w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
+      {
+        constexpr int NJ = 8 * (PC + NPC), NJT = (NJ + TILE - 1) / TILE;
+        int jv[NJT];
+        float fr[NJT];
+        VQ_UNROLL
+        for (int k = 0; k < NJT; ++k) {
+          const int jj = (int)vq_tid + k * TILE;
+          jv[k] = NJ % TILE == 0 || jj < NJ ? slot_pairs[jj] : -1;
         }
-        s_wrot[slot] = w;
+        VQ_UNROLL
+        for (int k = 0; k < NJT; ++k) fr[k] = inv_freq[jv[k] < 0 ? 0 : jv[k]];
+        VQ_UNROLL
+        for (int k = 0; k < NJT; ++k) {
+          const int jj = (int)vq_tid + k * TILE;
+          float sn = 0.0f, cs = 1.0f;
+          if (jv[k] >= 0) VQ_SINCOS(rscale * (float)TT * fr[k], sn, cs);
+          if (NJ % TILE == 0 || jj < NJ) s_wstep[jj] = VQ_F2(cs, sn);
+        }
+      }
+      {
+        constexpr int NS = (PC + NPC) * 64, NST = (NS + TILE - 1) / TILE;
+        int jv[NST];
+        float mua[NST], mub[NST], fr[NST];
+        VQ_UNROLL
+        for (int k = 0; k < NST; ++k) {
+          const int slot = (int)vq_tid + k * TILE, lane4 = (slot >> 1) & 31;
+          const bool mine = (NS % TILE == 0 || slot < NS) && (lane4 >> 2) < G;
+          jv[k] = mine ? slot_pairs[8 * (slot >> 6) + 2 * (lane4 & 3) + (slot & 1)] : -1;
+        }
+        VQ_UNROLL
+        for (int k = 0; k < NST; ++k) {
+          const int j = jv[k] < 0 ? 0 : jv[k];
+          mua[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j : j)]);
+          mub[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j + 1 : j + P)]);
+          fr[k] = inv_freq[j];
+        }
+        VQ_UNROLL
+        for (int k = 0; k < NST; ++k) {
+          const int slot = (int)vq_tid + k * TILE, g = ((slot >> 1) & 31) >> 2;
+          float2 w = VQ_F2(0.0f, 0.0f);
+          if (jv[k] >= 0) {
+            const int j = jv[k];
+            const float qa = s_q[g * D + (TRAD ? 2 * j : j)];
+            const float qb = s_q[g * D + (TRAD ? 2 * j + 1 : j + P)];
+            const float wr = qa * mua[k] + qb * mub[k];
+            const float wi = qa * mub[k] - qb * mua[k];
+            float sn, cs;
+            VQ_SINCOS(mpos * fr[k], sn, cs);
+            w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
+          }
+          if (NS % TILE == 0 || slot < NS) s_wrot[slot] = w;
+        }
       }
     }
     VQ_BARRIER();
@@ -1295,7 +1334,6 @@ _MMA_TILES = (
       part_o[(split * HQ + h * G) * D + idx] = sum;
     }
 """
-)
 
 _MMA_BODY = (
     _PARTIAL_PARAMS
