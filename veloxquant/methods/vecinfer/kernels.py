@@ -1489,12 +1489,26 @@ _COMBINE_HEADS = (
   VQ_TG float* s_cw = s_cx + CNH * CWH;   // [CCH][CNH] a chunk's weights
   VQ_TG float* s_cl = s_cw + CCH * CNH;   // [CCH][CNH] ... and its sums
   VQ_TG float* s_ch = s_cl + CCH * CNH;   // [CNH][D] the merged value sums
+  // the first chunk's maxima and sums (splits below CCH, the exact part's at n_splits among
+  // them), every thread's loads at once, into the chunk's arrays: read from there for each
+  // head's largest max and again for the chunk's weights, where two loops of loads to L2 (the
+  // second after the first's barrier) took rounds one after another in the kernel's tail
+  const int cfirst = min(n_splits + 1, CCH);
+  VQ_UNROLL
+  for (int k = 0; k < (CCH * CNH + CNT - 1) / CNT; ++k) {
+    const int i = (int)vq_tid + k * CNT;
+    if (i < cfirst * CNH) {
+      s_cw[i] = vq_load_cg(part_m + (i / CNH) * HQ + hq0 + i % CNH);
+      s_cl[i] = vq_load_cg(part_l + (i / CNH) * HQ + hq0 + i % CNH);
+    }
+  }
+  VQ_BARRIER();
   // each head's largest max: CWH SIMD groups per head, a split per lane
   const int wpart = (int)vq_warp / CNH;
   for (int g = (int)vq_warp % CNH; wpart < CWH && g < CNH; g += CNT / 32) {
     float mloc = NEG;
     for (int s = (int)vq_lane + 32 * wpart; s <= n_splits; s += 32 * CWH) {
-      mloc = VQ_FMAX(mloc, vq_load_cg(part_m + s * HQ + hq0 + g));
+      mloc = VQ_FMAX(mloc, s < CCH ? s_cw[s * CNH + g] : vq_load_cg(part_m + s * HQ + hq0 + g));
     }
     mloc = vq_simd_max(mloc);
     if (vq_lane == 0) s_cx[g * CWH + wpart] = mloc;
@@ -1506,7 +1520,10 @@ _COMBINE_HEADS = (
     s_cm[vq_tid] = mm;
     s_cs[vq_tid] = 0.0f;
   }
-  // the exact threadgroup's parts (at n_splits), in flight while the splits are merged
+  // the exact threadgroup's parts (at n_splits) and this dim's value scale and mean, in flight
+  // while the splits are merged (read at the end, they were one more round to memory there)
+  const float vsm = VSMOOTH ? static_cast<float>(value_smooth[h * D + d]) : 1.0f;
+  const float vmn = VMEAN ? static_cast<float>(value_mean[h * D + d]) : 0.0f;
   float mf[CPS], of[CPS], lf[CPS], acc[CPS];
   VQ_UNROLL
   for (int k = 0; k < CPS; ++k) {
@@ -1521,8 +1538,9 @@ _COMBINE_HEADS = (
     const int cn = min(CCH, n_splits - c0);
     for (int i = (int)vq_tid; i < cn * CNH; i += CNT) {
       const int s = c0 + i / CNH, g = i % CNH;
-      s_cw[i] = vq_exp2(vq_load_cg(part_m + s * HQ + hq0 + g) - s_cm[g]);
-      s_cl[i] = vq_load_cg(part_l + s * HQ + hq0 + g);
+      const float m = c0 == 0 ? s_cw[i] : vq_load_cg(part_m + s * HQ + hq0 + g);
+      s_cw[i] = vq_exp2(m - s_cm[g]);
+      if (c0 > 0) s_cl[i] = vq_load_cg(part_l + s * HQ + hq0 + g);
     }
     VQ_BARRIER();
 """
@@ -1562,8 +1580,8 @@ _COMBINE_HEADS = (
       const float wf = vq_exp2(mf[k] - s_cm[g]);
       const float lc = s_cs[g];
       float v = s_ch[g * D + d] * (VHAD ? INV_SQRT_D : 1.0f);
-      if (VSMOOTH) v *= static_cast<float>(value_smooth[h * D + d]);
-      if (VMEAN) v += static_cast<float>(value_mean[h * D + d]) * lc;
+      if (VSMOOTH) v *= vsm;
+      if (VMEAN) v += vmn * lc;
       out[(hq0 + g) * D + d] = static_cast<OUT_T>((v + wf * of[k]) / (lc + wf * lf[k]));
     }
   }
