@@ -85,7 +85,7 @@ def test_nvrtc_refuses_what_only_a_cuda_compiler_sees():
         assert not done.ok and "error" in done.log.lower()
 
 
-def test_the_cost_arms_still_apply_and_compile():
+def test_the_cost_arms_still_apply_and_compile(tmp_path):
     """benchmarks/cost_arms.py edits this tree's kernels.py by exact text (a GPU run of
     `h200_mma.sh costs` would stop at the first that no longer matches): each arm applies, and
     its one-launch kernel compiles under NVRTC."""
@@ -93,22 +93,24 @@ def test_the_cost_arms_still_apply_and_compile():
     import pathlib
     import sys
 
+    def load(name: str, path: pathlib.Path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while it executes
+        spec.loader.exec_module(module)
+        return module
+
     root = pathlib.Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("cost_arms", root / "benchmarks/cost_arms.py")
-    arms = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(arms)
-    text = arms.KERNELS.read_text()
-    for name in arms.ARMS:
-        src = arms.arm_source(name, text)
-        assert src != text
-        mspec = importlib.util.spec_from_loader(f"cost_arm_{name}", loader=None)
-        module = importlib.util.module_from_spec(mspec)
-        sys.modules[mspec.name] = module  # dataclasses look their module up while it executes
-        try:
-            exec(compile(src, f"{name}_kernels.py", "exec"), module.__dict__)
+    arms = load("cost_arms", root / "benchmarks/cost_arms.py")
+    try:
+        for name, path in arms.write_arms(tmp_path).items():
+            assert path.read_text() != arms.KERNELS.read_text()
+            module = load(f"cost_arm_{name}", path)
             lay = module.Layout(**dataclasses.asdict(_layout()))
             assert module.mma_takes(lay)
-            one = module.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16)
-            _compiles(one, ONE_IN, ONE_OUT)
-        finally:
-            del sys.modules[mspec.name]
+            _compiles(
+                module.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16), ONE_IN, ONE_OUT
+            )
+    finally:
+        for name in [n for n in sys.modules if n == "cost_arms" or n.startswith("cost_arm_")]:
+            del sys.modules[name]
