@@ -17,7 +17,7 @@ addressing as they are, so that the time it saves is what that traffic costs in 
     stream     correct: code rows loaded as streaming (__ldcs: evict first), so that they do not
                evict the phase table from L1
 
-    python benchmarks/cost_arms.py /tmp           # writes /tmp/<arm>_kernels.py for each arm
+    python benchmarks/cost_arms.py /tmp           # writes /tmp/<arm>_kernels.py, prints arm=path
     python benchmarks/cost_arms.py /tmp --sass    # and each arm's tile loop by kind (NVRTC)
 
 `--sass` checks on the CPU that each arm took out what it says (the loop's loads by kind), with
@@ -129,7 +129,7 @@ def main() -> None:
     args = p.parse_args()
     paths = write_arms(Path(args.out))
     for name, path in paths.items():
-        print(f"{name}: {path}")
+        print(f"{name}={path}")  # as profile_decode_step.py's --baseline takes them
     if args.sass:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         for name, path in [("this tree", KERNELS), *paths.items()]:

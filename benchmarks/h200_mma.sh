@@ -238,11 +238,9 @@ loop)
     --random-weights benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/check.txt"
   ;;
 costs)
-  python benchmarks/cost_arms.py /tmp > /dev/null || exit 2
+  specs=$(python benchmarks/cost_arms.py /tmp) || exit 2
   arms=()
-  for a in vconf nophase nokrow novrow nokgather novgather stream; do
-    arms+=(--baseline "$a=/tmp/${a}_kernels.py")
-  done
+  for spec in $specs; do arms+=(--baseline "$spec"); done
   echo "== ncu inside real decode steps at 64K (attention only): fp16, this tree, ${arms[*]}"
   timeout 240 ncu --profile-from-start off --clock-control base --cache-control none \
     -k 'regex:attn_|vq_step_marker|sdpa' --metrics gpu__time_duration.sum --csv --page raw \

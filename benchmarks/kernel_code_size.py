@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 from tests import nvrtc  # noqa: E402
 
 from ab_kernel_revisions import load_baseline
+from ncu_source_stalls import tile_loop
 from bench_kernels import decode_inputs
 from profile_partial_kernel import STAMP_NAMES, stamped_source
 from veloxquant.kernels import dtype_name
@@ -193,19 +194,10 @@ def tile_loop_report(code: list[tuple[int, str]], tokens_per_warp: int) -> None:
     """The coded tokens' tile loop: the backward branch whose body holds the most HMMAs. Its
     instructions are what each SIMD group issues per tile (`tokens_per_warp` coded tokens), so
     their count bounds the split's time when the schedulers issue every cycle."""
-    opcodes = [(at, re.sub(r"^@!?U?P\w+\s+", "", ins).split(" ")[0]) for at, ins in code]
-    loops = []
-    for at, ins in code:
-        target = re.search(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", ins)
-        if target and int(target.group(1), 16) < at:
-            body = [op for a, op in opcodes if int(target.group(1), 16) <= a <= at]
-            loops.append((sum(op.startswith("HMMA") for op in body), body))
-    if not loops:
-        raise SystemExit("no backward branch in the SASS: the tile loop was not found")
-    # the innermost loop holding the most HMMAs: nvcc also places cold blocks after a loop and
-    # branches back, so a "loop" spanning it and more code has as many; MMA off: the longest
-    most = max(h for h, _ in loops)
-    hmma, body = max(loops, key=lambda x: (x[0], -len(x[1]) if most else len(x[1])))
+    start, end = tile_loop(code)
+    loop = [ins for at, ins in code if start <= at <= end]
+    body = [re.sub(r"^@!?U?P\w+\s+", "", ins).split(" ")[0] for ins in loop]
+    hmma = sum(op.startswith("HMMA") for op in body)
     kinds = collections.Counter(op.split(".")[0] for op in body)
     print(f"  tile loop: {len(body)} instructions per SIMD group and tile ({hmma} HMMA), "
           f"{len(body) / tokens_per_warp:.1f} per coded token; "

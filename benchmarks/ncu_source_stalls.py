@@ -42,20 +42,23 @@ def read(path: str) -> list[tuple[int, str, dict]]:
     return [(int(r["Address"], 16) - base, r["Source"].strip(), r) for r in data]
 
 
-def tile_loop(code: list[tuple[int, str, dict]]) -> tuple[int, int]:
-    """(first, last) offset of the backward branch's body holding the most HMMAs."""
-    base = None
+def tile_loop(code: list[tuple[int, str]], base: int = 0) -> tuple[int, int]:
+    """(first, last) offset of the tensor-core tile loop in `code`, (offset, SASS text) pairs:
+    the innermost backward branch's body holding the most HMMAs (nvcc also places cold blocks
+    after a loop and branches back, so a "loop" spanning it and more code has as many); with no
+    HMMA (the CUDA cores), the longest. `base`: what to subtract from branch targets to make them
+    offsets (ncu prints absolute addresses, cuobjdump offsets)."""
     loops = []
-    for at, text, row in code:
-        base = int(row["Address"], 16) - at if base is None else base
+    for at, text in code:
         m = re.search(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) - base < at:
             start = int(m.group(1), 16) - base
-            hmma = sum("HMMA" in t for a, t, _ in code if start <= a <= at)
-            loops.append((hmma, -(at - start), start, at))
+            hmma = sum("HMMA" in t for a, t in code if start <= a <= at)
+            loops.append((hmma, at - start, start, at))
     if not loops:
-        raise SystemExit("no backward branch: the tile loop was not found")
-    _, _, start, end = max(loops)
+        raise SystemExit("no backward branch in the SASS: the tile loop was not found")
+    most = max(h for h, *_ in loops)
+    _, _, start, end = max(loops, key=lambda x: (x[0], -x[1] if most else x[1]))
     return start, end
 
 
@@ -65,7 +68,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
     code = read(args.csv)
-    start, end = tile_loop(code)
+    base = int(code[0][2]["Address"], 16)
+    start, end = tile_loop([(a, t) for a, t, _ in code], base)
     stalls = [k for k in code[0][2] if k.startswith("stall_") and "Not Issued" not in k]
     total = sum(_number(r, SAMPLES) for _, _, r in code)
     print(f"tile loop at {start:#x}-{end:#x}; {total:.0f} warp-state samples in all")
