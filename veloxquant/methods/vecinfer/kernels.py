@@ -393,17 +393,22 @@ _PARTIAL_QTILDE = """    VQ_UNROLL
 """
 
 # W = A - iB of (pair j, head g) and the (sin, cos) of its rotation to position mpos: wr, wi,
-# sn, cs (the rotated W is wr cs - wi sn, wr sn + wi cs).
-_PHASE_W = """          const int ia = TRAD ? 2 * j : j;
+# sn, cs (the rotated W is wr cs - wi sn, wr sn + wi cs), from the pair's key mean mua, mub
+# and frequency fr (_PHASE_W_LOADS, or loaded ahead by the tensor-core path's setup).
+_PHASE_W_LOADS = """          const int ia = TRAD ? 2 * j : j;
           const int ib = TRAD ? 2 * j + 1 : j + P;
           const float mua = static_cast<float>(key_mean[h * D + ia]);
           const float mub = static_cast<float>(key_mean[h * D + ib]);
-          const float qa = s_q[g * D + ia], qb = s_q[g * D + ib];
+          const float fr = inv_freq[j];
+"""
+_PHASE_W_MATH = """          const float qa = s_q[g * D + (TRAD ? 2 * j : j)];
+          const float qb = s_q[g * D + (TRAD ? 2 * j + 1 : j + P)];
           const float wr = qa * mua + qb * mub;
           const float wi = qa * mub - qb * mua;
           float sn, cs;
-          VQ_SINCOS(mpos * inv_freq[j], sn, cs);
+          VQ_SINCOS(mpos * fr, sn, cs);
 """
+_PHASE_W = _PHASE_W_LOADS + _PHASE_W_MATH
 
 # The phase coefficients at a tile's start: PHASE_STORE(re, im) of each (pair j, head g).
 _TILE_PHASE = (
@@ -982,7 +987,8 @@ _MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), copie
     vq_book16<VCODES, VR16, VD, VEW>(s_vbw, value_book + vbook * VCODES * VD, (int)vq_tid, TILE);
 """
 
-_MMA_TILES = """
+_MMA_TILES = (
+    """
     const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;
     // the B fragments, the same for every SIMD group, in threadgroup memory (in registers they
     // cost 32 of them): q~ of head L / 4 (zero past G) at k rows 2 (L % 4) + {0, 1} and
@@ -1041,7 +1047,7 @@ _MMA_TILES = """
       {
         constexpr int NS = (PC + NPC) * 64, NST = (NS + TILE - 1) / TILE;
         int jv[NST];
-        float mua[NST], mub[NST], fr[NST];
+        float mu_a[NST], mu_b[NST], frs[NST];
         VQ_UNROLL
         for (int k = 0; k < NST; ++k) {
           const int slot = (int)vq_tid + k * TILE, lane4 = (slot >> 1) & 31;
@@ -1051,9 +1057,9 @@ _MMA_TILES = """
         VQ_UNROLL
         for (int k = 0; k < NST; ++k) {
           const int j = jv[k] < 0 ? 0 : jv[k];
-          mua[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j : j)]);
-          mub[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j + 1 : j + P)]);
-          fr[k] = inv_freq[j];
+          mu_a[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j : j)]);
+          mu_b[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j + 1 : j + P)]);
+          frs[k] = inv_freq[j];
         }
         VQ_UNROLL
         for (int k = 0; k < NST; ++k) {
@@ -1061,13 +1067,10 @@ _MMA_TILES = """
           float2 w = VQ_F2(0.0f, 0.0f);
           if (jv[k] >= 0) {
             const int j = jv[k];
-            const float qa = s_q[g * D + (TRAD ? 2 * j : j)];
-            const float qb = s_q[g * D + (TRAD ? 2 * j + 1 : j + P)];
-            const float wr = qa * mua[k] + qb * mub[k];
-            const float wi = qa * mub[k] - qb * mua[k];
-            float sn, cs;
-            VQ_SINCOS(mpos * fr[k], sn, cs);
-            w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
+            const float mua = mu_a[k], mub = mu_b[k], fr = frs[k];
+"""
+    + _PHASE_W_MATH
+    + """            w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
           }
           if (NS % TILE == 0 || slot < NS) s_wrot[slot] = w;
         }
@@ -1334,6 +1337,7 @@ _MMA_TILES = """
       part_o[(split * HQ + h * G) * D + idx] = sum;
     }
 """
+)
 
 _MMA_BODY = (
     _PARTIAL_PARAMS
