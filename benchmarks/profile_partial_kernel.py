@@ -26,13 +26,15 @@ default layout, the synthetic caches of bench_kernels.py).
   ~100 us in the same phase (not understood, not seen at 4K or 64K): read its cold rows with
   ncu's times beside them.
 - `timeline-one` (CUDA): the same for the one-launch kernel that decode steps run (tensor cores
-  on): per threadgroup, when it starts, finishes its split, finishes the merge (the last group
-  per KV head) and ends (the exact group's encode), and the SM it ran on; reported as each
+  on): per threadgroup, when it starts, starts its tile loop (tensor cores: the setup before
+  it), finishes its split, finishes the merge (the last group per KV head) and ends (the exact
+  group's encode), and the SM it ran on; reported as each
   SM's busy fraction of the kernel's span, the groups per SM, and those times' median / 90% /
   max, warm and with L2 flushed (`--constants TARGET_GROUPS=1056` and the like override the
   kernels module's settings, `--kernels PATH` runs another revision's kernels.py, `--cut
-  no-merge` times the kernel without its merge (its output then wrong) and `--cut one-fence`
-  with one thread fencing before the count).
+  no-merge` times the kernel without its merge (its output then wrong), `--cut no-rows` and
+  `--cut no-hadamard` without the merge's output-row loads or its value Hadamard, and `--cut
+  one-fence` with one thread fencing before the count).
 - `tiles`: three calls per (threads per threadgroup, tokens per thread) setting, for a
   profiler; prints each setting's kernel name (to match the profiler's rows) and its output's
   largest difference from the default setting's.
@@ -350,28 +352,32 @@ def timeline(args) -> None:
                 _report_timeline(st, a["n_splits"])
 
 
-# The one-launch kernel (CUDA's default, tensor cores on): four globaltimer stamps per
+# The one-launch kernel (CUDA's default, tensor cores on): five globaltimer stamps per
 # threadgroup by thread 0, and its SM. 0: start; 1: its split done, before the count that picks
 # the last threadgroup per KV head; 2: after that threadgroup's merge; 3: the end (after the
-# exact threadgroup's encode).
+# exact threadgroup's encode); 4: a coded threadgroup's tile loop starts (its setup done: the
+# codebook copies, q~ and the phase coefficients; 0 in the exact threadgroups, which have none).
 ONE_STAMPS = (
     ("  VQ_SHARED int s_last;\n", 1),
     ("  if (split == n_splits && iparams[EP] > 0) {", 2),
 )
+ONE_LOOP_STAMP = ("    for (int tile = t_begin; tile < t_end; tile += TT) {\n", 4)
+NSTAMP1 = 5
 _ONE_STAMP_MACRO = r"""
 #define VQ_STAMP1(k) if (vq_tid == 0) { \
   unsigned long long gt_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt_)); \
-  tstamp[((int)vq_gy * (int)gridDim.x + (int)vq_gx) * 8 + 2 * (k)] = (uint32_t)gt_; \
-  tstamp[((int)vq_gy * (int)gridDim.x + (int)vq_gx) * 8 + 2 * (k) + 1] = (uint32_t)(gt_ >> 32); }
+  tstamp[((int)vq_gy * (int)gridDim.x + (int)vq_gx) * 10 + 2 * (k)] = (uint32_t)gt_; \
+  tstamp[((int)vq_gy * (int)gridDim.x + (int)vq_gx) * 10 + 2 * (k) + 1] = (uint32_t)(gt_ >> 32); }
 """
 
 
-def one_launch_stamped(src):
-    """The one-launch KernelSource `src` with the four stamps and two more outputs: `tstamp`
-    (uint32 [group, stamp, (low, high) word of the globaltimer's ns]) and `smid` (uint32 per
-    group, the SM it ran on)."""
+def one_launch_stamped(src, loop: bool = False):
+    """The one-launch KernelSource `src` with the four stamps (and with `loop` the tile loop's
+    start, stamp 4: the tensor-core path only) and two more outputs: `tstamp` (uint32 [group,
+    NSTAMP1 stamps, (low, high) word of the globaltimer's ns]) and `smid` (uint32 per group,
+    the SM it ran on)."""
     body = src.body
-    for text, k in ONE_STAMPS:
+    for text, k in (*ONE_STAMPS, ONE_LOOP_STAMP) if loop else ONE_STAMPS:
         if body.count(text) != 1:
             raise SystemExit(f"the one-launch source no longer has exactly one {text!r}")
         body = body.replace(text, f"  VQ_STAMP1({k});\n{text}")
@@ -387,7 +393,7 @@ def one_launch_stamped(src):
 def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int) -> None:
     """ts[h, group, stamp] in ns, sm[h, group]."""
     t = (ts - ts[..., 0].min()) / 1e3  # us after the first group's start
-    start, done, merged, end = t[..., 0], t[..., 1], t[..., 2], t[..., 3]
+    start, done, merged, end, loop = (t[..., k] for k in range(5))
     coded, exact = np.s_[:, :n_splits], np.s_[:, n_splits]
     span = end.max()
     per_sm = {}
@@ -419,6 +425,9 @@ def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int) -> None:
     print("    us (median / 90% / max over groups):")
     print(f"      start                 {q(start)}")
     print(f"      coded groups' split   {q((done - start)[coded])}  (done at {q(done[coded])})")
+    if (ts[..., 4][coded] > 0).all():  # the tensor-core path's loop stamp
+        print(f"        setup (to the loop) {q((loop - start)[coded])}")
+        print(f"        tile loop           {q((done - loop)[coded])}")
     print(f"      exact groups' part    {q((done - start)[exact])}  (done at {q(done[exact])})")
     print(f"      merge, last group     {q(merge)}  (the last group is exact in "
           f"{int((last == n_splits).sum())} of {len(last)} heads)")  # fmt: skip
@@ -432,6 +441,23 @@ ONE_CUTS = {
     # the tail's count and hand-over without the merge itself: what the merge costs on its own
     "no-merge": [("  if (s_last) {\n    VQ_DEVICE_FENCE();\n", "  if (s_last) {\n#if 0\n")]
     + [("\n    if (vq_tid == 0) const_cast", "\n#endif\n    if (vq_tid == 0) const_cast")],
+    # the merge without its output-row loads (each row read as its weight): what the rows cost
+    "no-rows": [
+        (
+            "          const float4 o = vq_load_cg4(part_o + ((c0 + s) * HQ + hq0 + g) * D"
+            " + 4 * (i % (D / 4)));\n",
+            "          const float4 o = VQ_F4(w, w, w, w);\n",
+        )
+    ],
+    # the merge without the value Hadamard's butterfly (its log2(D) barriers)
+    "no-hadamard": [
+        (
+            "  if (VHAD) {\n    for (int len = 1; len < D; len <<= 1) {\n"
+            "      for (int j = (int)vq_tid;",
+            "  if (false) {\n    for (int len = 1; len < D; len <<= 1) {\n"
+            "      for (int j = (int)vq_tid;",
+        )
+    ],
     # one thread fences (after the barrier), as cooperative groups' grid sync does
     "one-fence": [
         (
@@ -467,16 +493,21 @@ def timeline_one(args) -> None:
             if src.body.count(old) != 1:
                 raise SystemExit(f"--cut {args.cut}: the source no longer has exactly one {old!r}")
             src = dataclasses.replace(src, body=src.body.replace(old, new))
-        src = one_launch_stamped(src)
+        src = one_launch_stamped(src, loop=K.mma_takes(K.layout_of(cache, H * G), a["r"]))
         kernel = vk.compiled(src, tuple(str(x.dtype) for x in a["partial"]))
         n_groups = a["groups"][0] * a["groups"][1]
-        shapes = [*K.one_launch_shapes(a, qs[0].shape[1], D), (n_groups * 8,), (n_groups,)]
+        stamps = (n_groups * 2 * NSTAMP1,)
+        shapes = [*K.one_launch_shapes(a, qs[0].shape[1], D), stamps, (n_groups,)]
         dtypes = [mx.float32, qs[0].dtype, mx.uint32, mx.uint32]
         for cold in (False, True):
             for _ in range(args.calls):  # the last call is reported
                 outs = _launch_stamped(a, kernel, shapes, dtypes, cold)
                 mx.eval(outs)
-            st = np.array(outs[2]).astype(np.int64).reshape(a["groups"][1], a["groups"][0], 4, 2)
+            st = (
+                np.array(outs[2])
+                .astype(np.int64)
+                .reshape(a["groups"][1], a["groups"][0], NSTAMP1, 2)
+            )
             ts = st[..., 0] + (st[..., 1] << 32)
             sm = np.array(outs[3]).reshape(a["groups"][1], a["groups"][0])
             # an older revision's kernels (--kernels) may have an int TARGET_GROUPS only
