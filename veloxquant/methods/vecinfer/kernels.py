@@ -1480,9 +1480,8 @@ _COMBINE_ROWS = """    VQ_UNROLL_BY(CUN)
 _COMBINE_HEADS = (
     """
   {
-  const int T = iparams[0];
-  const int tps = iparams[2];
-  const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;
+  // n_splits is the kernel's own: read again from iparams here, after the device fence, it
+  // was two dependent rounds to L2 (T, then tps) at the start of the kernel's tail
   const int hq0 = COMBINE_FIRST;
   const int h = hq0 / G;
   const int d = (int)vq_tid % D;
@@ -1565,7 +1564,7 @@ _COMBINE_HEADS = (
     if (g < CNH) s_ch[g * D + d] = acc[k];
   }
   VQ_BARRIER();
-  if (VHAD) {
+  if (VHAD && !C4HAD) {
     for (int len = 1; len < D; len <<= 1) {
       for (int j = (int)vq_tid; j < CNH * (D / 2); j += CNT) {
         const int p = j % (D / 2);
@@ -1642,12 +1641,43 @@ _COMBINE_FLOAT4_EDITS = (
         """  VQ_UNROLL
   for (int k = 0; k < CP4; ++k) {
     const int i = (int)vq_tid + k * CNT;
+    float4 x = acc4[k];
+    if (VHAD && C4HAD) {
+      // the value Hadamard's butterfly in registers (C4HAD): item i is dims 4 j..4 j + 3 of
+      // one head, j = i % (D / 4), and a head's D / 4 items are lanes of one SIMD group, so
+      // the levels past the item's own two are shuffles with lane j ^ m; the same sums in the
+      // same order as the butterfly in threadgroup memory, whose log2(D) barriers were about
+      // 1.7 us of the merge, the kernel's tail (benchmarks/results/merge-hadamard-h100.txt)
+      const int j = i % (D / 4);
+      float t = x.x;
+      x.x = t + x.y;
+      x.y = t - x.y;
+      t = x.z;
+      x.z = t + x.w;
+      x.w = t - x.w;
+      t = x.x;
+      x.x = t + x.z;
+      x.z = t - x.z;
+      t = x.y;
+      x.y = t + x.w;
+      x.w = t - x.w;
+      VQ_UNROLL
+      for (int m = 1; m < D / 4; m <<= 1) {
+        const float ox = vq_shfl_xor(x.x, m), oy = vq_shfl_xor(x.y, m);
+        const float oz = vq_shfl_xor(x.z, m), ow = vq_shfl_xor(x.w, m);
+        const bool hi = (j & m) != 0;  // the pair's upper element: (lower) - (upper)
+        x.x = hi ? ox - x.x : x.x + ox;
+        x.y = hi ? oy - x.y : x.y + oy;
+        x.z = hi ? oz - x.z : x.z + oz;
+        x.w = hi ? ow - x.w : x.w + ow;
+      }
+    }
     if (C4ALL || i < CNH * (D / 4)) {
       VQ_TG float* row = s_ch + (i / (D / 4)) * D + 4 * (i % (D / 4));
-      row[0] = acc4[k].x;
-      row[1] = acc4[k].y;
-      row[2] = acc4[k].z;
-      row[3] = acc4[k].w;
+      row[0] = x.x;
+      row[1] = x.y;
+      row[2] = x.z;
+      row[3] = x.w;
     }
   }""",
     ),
@@ -1671,6 +1701,9 @@ def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scr
     # about COMBINE_LOADS output-row loads in flight per thread: more raised the one-launch
     # kernel's registers above the partial's, which set them otherwise
     sizes["CUN"] = max(1, COMBINE_LOADS // per_slot)
+    # the float4 merge's value Hadamard in registers: a head's items within one SIMD group
+    whole = COMBINE_FLOAT4 and head_dim % 4 == 0 and 32 % (head_dim // 4) == 0
+    sizes["C4HAD"] = "true" if whole and threads % 32 == 0 else "false"
     body = _COMBINE_HEADS
     if COMBINE_FLOAT4:
         for old, new in _COMBINE_FLOAT4_EDITS:
