@@ -401,13 +401,17 @@ _PHASE_W_LOADS = """          const int ia = TRAD ? 2 * j : j;
           const float mub = static_cast<float>(key_mean[h * D + ib]);
           const float fr = inv_freq[j];
 """
-_PHASE_W_MATH = """          const float qa = s_q[g * D + (TRAD ? 2 * j : j)];
+_PHASE_W_PRODUCT = """          const float qa = s_q[g * D + (TRAD ? 2 * j : j)];
           const float qb = s_q[g * D + (TRAD ? 2 * j + 1 : j + P)];
           const float wr = qa * mua + qb * mub;
           const float wi = qa * mub - qb * mua;
-          float sn, cs;
+"""
+_PHASE_W_MATH = (
+    _PHASE_W_PRODUCT
+    + """          float sn, cs;
           VQ_SINCOS(mpos * fr, sn, cs);
 """
+)
 _PHASE_W = _PHASE_W_LOADS + _PHASE_W_MATH
 
 # The phase coefficients at a tile's start: PHASE_STORE(re, im) of each (pair j, head g).
@@ -960,8 +964,12 @@ _MMA_SHARED = """
   // B fragments of the phase coefficients, then A fragments of the slow pairs' W (two tiles'
   // buffers), and B fragments of q~, per lane: [chunk][lane]
   VQ_SHARED uint2 s_wb[CENTER ? 2 * (PC + NPC) * 32 : 1];
-  // per slot pair jj (`phase_slot_pairs`): its rotation from one tile to the next (cos, sin)
+  // per slot pair jj (`phase_slot_pairs`): its rotation from one tile to the next (cos, sin);
+  // for the setup, its RoPE pair (-1: none), key mean (a, b) and rotation to the split's start
   VQ_SHARED float2 s_wstep[CENTER ? 8 * (PC + NPC) : 1];
+  VQ_SHARED int s_wj[CENTER ? 8 * (PC + NPC) : 1];
+  VQ_SHARED float2 s_wmu[CENTER ? 8 * (PC + NPC) : 1];
+  VQ_SHARED float2 s_wpos[CENTER ? 8 * (PC + NPC) : 1];
   // the B fragments that sum the polynomial's coefficients from the slow pairs' W
   VQ_SHARED uint2 s_polyb[CENTER ? (NPC > 0 ? NPC : 1) * 32 : 1];
   VQ_SHARED uint2 s_qb[DC * 32];
@@ -1017,63 +1025,60 @@ _MMA_TILES = (
       }
       // W = A - iB per (pair j, head g) at the split's first tile, exact; later tiles rotate it
       // by one tile's angle, a complex multiply where a sincos (and W's loads) took five times
-      // the instructions. In the order of s_wb's slots (register hf of lane 4 g + l4 in chunk
-      // c holds slot pair jj = 8 c + 2 l4 + hf), so that a tile's update is addressed by the
-      // slot alone; slot_pairs[jj] is its RoPE pair (-1: none; `phase_slot_pairs`).
-      // Each thread's slots in three passes, unrolled: the slot pairs' loads, then those of
-      // what they index (clamped to pair 0 where there is none, so that no branch stands
-      // between them), then the arithmetic; as one rolled loop per slot they were two rounds
-      // to L2 per slot, one after another.
+      // the instructions. Stored by slot (register hf of lane 4 g + l4 in chunk c holds slot
+      // pair jj = 8 c + 2 l4 + hf), so that a tile's update is addressed by the slot alone;
+      // slot_pairs[jj] is its RoPE pair (-1: none; `phase_slot_pairs`). First per slot pair,
+      // every thread's loads at once: its pair, then that pair's frequency and key mean, then
+      // the sines and cosines of one tile's angle and of the split's start. Then per (slot
+      // pair, head g < G) from those: computed per slot (with the heads past G, whose slots
+      // the tiles never read), each of a SIMD group's slots took the sincos of the split's
+      // start again, and two of the four SIMD groups did all of them.
       const float mpos = rscale * (float)(pos0 + split * tps);
+      constexpr int NJ = 8 * (PC + NPC);
       {
-        constexpr int NJ = 8 * (PC + NPC), NJT = (NJ + TILE - 1) / TILE;
+        constexpr int NJT = (NJ + TILE - 1) / TILE;
         int jv[NJT];
-        float fr[NJT];
+        float fr[NJT], mu_a[NJT], mu_b[NJT];
         VQ_UNROLL
         for (int k = 0; k < NJT; ++k) {
           const int jj = (int)vq_tid + k * TILE;
           jv[k] = NJ % TILE == 0 || jj < NJ ? slot_pairs[jj] : -1;
         }
         VQ_UNROLL
-        for (int k = 0; k < NJT; ++k) fr[k] = inv_freq[jv[k] < 0 ? 0 : jv[k]];
+        for (int k = 0; k < NJT; ++k) {  // pair 0's where there is none: no branch between
+          const int j = jv[k] < 0 ? 0 : jv[k];
+          fr[k] = inv_freq[j];
+          mu_a[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j : j)]);
+          mu_b[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j + 1 : j + P)]);
+        }
         VQ_UNROLL
         for (int k = 0; k < NJT; ++k) {
           const int jj = (int)vq_tid + k * TILE;
-          float sn = 0.0f, cs = 1.0f;
-          if (jv[k] >= 0) VQ_SINCOS(rscale * (float)TT * fr[k], sn, cs);
-          if (NJ % TILE == 0 || jj < NJ) s_wstep[jj] = VQ_F2(cs, sn);
+          float sn = 0.0f, cs = 1.0f, psn = 0.0f, pcs = 1.0f;
+          if (jv[k] >= 0) {
+            VQ_SINCOS(rscale * (float)TT * fr[k], sn, cs);
+            VQ_SINCOS(mpos * fr[k], psn, pcs);
+          }
+          if (NJ % TILE == 0 || jj < NJ) {
+            s_wstep[jj] = VQ_F2(cs, sn);
+            s_wpos[jj] = VQ_F2(pcs, psn);
+            s_wmu[jj] = VQ_F2(mu_a[k], mu_b[k]);
+            s_wj[jj] = jv[k];
+          }
         }
       }
-      {
-        constexpr int NS = (PC + NPC) * 64, NST = (NS + TILE - 1) / TILE;
-        int jv[NST];
-        float mu_a[NST], mu_b[NST], frs[NST];
-        VQ_UNROLL
-        for (int k = 0; k < NST; ++k) {
-          const int slot = (int)vq_tid + k * TILE, lane4 = (slot >> 1) & 31;
-          const bool mine = (NS % TILE == 0 || slot < NS) && (lane4 >> 2) < G;
-          jv[k] = mine ? slot_pairs[8 * (slot >> 6) + 2 * (lane4 & 3) + (slot & 1)] : -1;
-        }
-        VQ_UNROLL
-        for (int k = 0; k < NST; ++k) {
-          const int j = jv[k] < 0 ? 0 : jv[k];
-          mu_a[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j : j)]);
-          mu_b[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j + 1 : j + P)]);
-          frs[k] = inv_freq[j];
-        }
-        VQ_UNROLL
-        for (int k = 0; k < NST; ++k) {
-          const int slot = (int)vq_tid + k * TILE, g = ((slot >> 1) & 31) >> 2;
-          float2 w = VQ_F2(0.0f, 0.0f);
-          if (jv[k] >= 0) {
-            const int j = jv[k];
-            const float mua = mu_a[k], mub = mu_b[k], fr = frs[k];
+      VQ_BARRIER();
+      for (int i = (int)vq_tid; i < NJ * G; i += TILE) {
+        const int jj = i / G, g = i % G, j = s_wj[jj];
+        float2 w = VQ_F2(0.0f, 0.0f);
+        if (j >= 0) {
+          const float2 mu = s_wmu[jj], rot = s_wpos[jj];
+          const float mua = mu.x, mub = mu.y, cs = rot.x, sn = rot.y;
 """
-    + _PHASE_W_MATH
-    + """            w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
-          }
-          if (NS % TILE == 0 || slot < NS) s_wrot[slot] = w;
+    + _PHASE_W_PRODUCT
+    + """          w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
         }
+        s_wrot[((jj >> 3) * 32 + 4 * g + ((jj & 7) >> 1)) * 2 + (jj & 1)] = w;
       }
     }
     VQ_BARRIER();
@@ -1100,7 +1105,6 @@ _MMA_TILES = (
     // this lane's first key row (token quad of a block) and value row (token 2 l4), at its slice
     const VQ_GLOBAL uint32_t* kbase = kwords + (h * cap + quad) * KW + kfirst;
     const VQ_GLOBAL uint32_t* vbase = vwords + (h * cap + 2 * l4) * VW + vfirst;
-    int wbuf = 0;
     // the key rows of the SIMD group's first block of a tile, loaded a tile ahead (KAHEAD):
     // that block's scores otherwise wait on a round trip to memory at every tile
     uint32_t kahead[2][KSW];
@@ -1112,11 +1116,12 @@ _MMA_TILES = (
       }
     }
     for (int tile = t_begin; tile < t_end; tile += TT) {
+      // this tile's buffer of s_wb: a SIMD group still on the last tile reads the other one
+      const int wbuf = (tile / TT) & 1;
       const VQ_TG uint2* wb = s_wb + wbuf * (PC + NPC) * 32;
       if (CENTER) {
         // W of slot pair jj = 8 c + 2 l4 + hf and head g as f16 (re, im): register hf of lane
-        // 4 g + l4 in chunk c (two buffers: a SIMD group still on the last tile reads the
-        // other one)
+        // 4 g + l4 in chunk c
         VQ_TG uint32_t* wbw = reinterpret_cast<VQ_TG uint32_t*>(s_wb + wbuf * (PC + NPC) * 32);
         // the slots of heads below GP2 (the others stay zero): thread tid takes head
         // tid % GP2 of slot pairs tid / GP2 + TILE / GP2 i, whose slots are TILE / GP2 / 8
@@ -1133,7 +1138,6 @@ _MMA_TILES = (
           }
         }
         VQ_BARRIER();
-        wbuf ^= 1;
       }
       // scores of this SIMD group's WB blocks of the tile: C rows tokens quad and quad + 8
       float sc[WB][4];
@@ -2091,8 +2095,8 @@ def mma_bytes(lay: Layout, r: int) -> int:
     g, d, nw = lay.group, lay.head_dim, c["NWARPS"]
     big4 = one_launch_big4(lay, _mma_big4(lay, r))
     floats = g * d + c["KM"] * c["QS"]
-    if lay.center:  # s_wb, s_wstep, s_polyb
-        floats += (2 * 2 * 32 + 2 * 8) * (c["PC"] + c["NPC"]) + 2 * 32 * max(1, c["NPC"])
+    if lay.center:  # s_wb, s_wstep, s_wj, s_wmu, s_wpos, s_polyb
+        floats += (2 * 2 * 32 + 7 * 8) * (c["PC"] + c["NPC"]) + 2 * 32 * max(1, c["NPC"])
     floats += 2 * 32 * c["DC"] + 2 * nw * g + 2 * g
     vbook = 16 * -(-((1 << lay.value_bits) * c["VR16"] * c["VEW"]) // 4)
     return 4 * floats + vbook + 16 * big4 + 4
