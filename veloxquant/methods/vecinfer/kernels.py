@@ -1029,10 +1029,11 @@ _MMA_TILES = (
       // pair jj = 8 c + 2 l4 + hf), so that a tile's update is addressed by the slot alone;
       // slot_pairs[jj] is its RoPE pair (-1: none; `phase_slot_pairs`). First per slot pair,
       // every thread's loads at once: its pair, then that pair's frequency and key mean, then
-      // the sines and cosines of one tile's angle and of the split's start. Then per (slot
-      // pair, head g < G) from those: computed per slot (with the heads past G, whose slots
-      // the tiles never read), each of a SIMD group's slots took the sincos of the split's
-      // start again, and two of the four SIMD groups did all of them.
+      // the sines and cosines of one tile's angle and of the split's start; then W per (slot
+      // pair, head g < G) from those, over all threads. Done per slot, each slot took the
+      // sincos of the split's start again (once per head), and as the slots of heads past G
+      // (which the tiles never read) fell to two of the four SIMD groups, the other two did
+      // all the work.
       const float mpos = rscale * (float)(pos0 + split * tps);
       constexpr int NJ = 8 * (PC + NPC);
       {
