@@ -449,13 +449,12 @@ ONE_CUTS = {
             "          const float4 o = VQ_F4(w, w, w, w);\n",
         )
     ],
-    # the merge without the value Hadamard's butterfly (its log2(D) barriers)
+    # the merge without the value Hadamard's butterfly (in registers at head_dim 128; d39b81c's
+    # in threadgroup memory, whose log2(D) barriers this cut timed, read `if (VHAD) {`)
     "no-hadamard": [
         (
-            "  if (VHAD) {\n    for (int len = 1; len < D; len <<= 1) {\n"
-            "      for (int j = (int)vq_tid;",
-            "  if (false) {\n    for (int len = 1; len < D; len <<= 1) {\n"
-            "      for (int j = (int)vq_tid;",
+            "    if (VHAD && true) {\n      // the value Hadamard's butterfly in registers",
+            "    if (false) {\n      // the value Hadamard's butterfly in registers",
         )
     ],
     # one thread fences (after the barrier), as cooperative groups' grid sync does

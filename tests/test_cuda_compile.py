@@ -51,6 +51,32 @@ def test_vecinfer_cuda_sources_compile_under_nvrtc(changes, monkeypatch):
     _compiles(K.encode_kernel_source(lay), encode_in, [U8, U8])
 
 
+def test_the_timeline_stamps_and_cuts_still_apply_and_compile(monkeypatch):
+    """benchmarks/profile_partial_kernel.py's timeline-one finds its stamps' places (the tile
+    loop's start among them) and its --cut edits in the one-launch source by exact text, and a
+    GPU run stops at the first that no longer matches: each applies to this tree's default
+    layout, and the stamped kernel compiles under NVRTC with every cut."""
+    import pathlib
+    import sys
+
+    bench = str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
+    monkeypatch.setattr(sys, "path", [bench, *sys.path])
+    import profile_partial_kernel as ppk
+
+    lay = _layout()
+    assert K.mma_takes(lay)
+    src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16)
+    outs = [*ONE_OUT, U32, U32]  # tstamp, smid
+    for cut, edits in [("none", []), *ppk.ONE_CUTS.items()]:
+        cut_src = src
+        for old, new in edits:
+            assert cut_src.body.count(old) == 1, f"--cut {cut}: {old!r} is not in the source once"
+            cut_src = dataclasses.replace(cut_src, body=cut_src.body.replace(old, new))
+        stamped = ppk.one_launch_stamped(cut_src, loop=True)
+        assert stamped.body.count("VQ_STAMP1(") == ppk.NSTAMP1 + 1  # and the macro's own line
+        _compiles(stamped, ONE_IN, outs)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
 def test_the_tensor_core_kernel_keeps_its_launch_bounds(arch):
     # MMA_MIN_THREADGROUPS threadgroups of TILE threads per multiprocessor leave each thread
