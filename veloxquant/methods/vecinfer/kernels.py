@@ -932,6 +932,11 @@ VQ_FN uint32_t vq_bits_at(const uint32_t (&w)[N], int b, int nb, int lg) {
   const uint32_t x = vq_and_opaque(w[i], ((1u << nb) - 1u) << sh);
   return sh >= lg ? x >> (sh - lg) : x << (lg - sh);
 }
+// the s_wb / s_wrot slot of slot pair jj = 8 c + 2 l4 + hf and head g: register hf of lane
+// 4 g + l4 in chunk c
+VQ_FN int vq_wslot(int jj, int g) {
+  return ((jj >> 3) * 32 + 4 * g + ((jj & 7) >> 1)) * 2 + (jj & 1);
+}
 // the word of an f16 codebook entry (one or two 32-bit words) that holds its half i
 VQ_FN uint32_t vq_half_word(uint32_t e, int i) { return e; }
 VQ_FN uint32_t vq_half_word(uint2 e, int i) { return i < 2 ? e.x : e.y; }
@@ -1079,7 +1084,7 @@ _MMA_TILES = (
     + _PHASE_W_PRODUCT
     + """          w = VQ_F2(wr * cs - wi * sn, wr * sn + wi * cs);
         }
-        s_wrot[((jj >> 3) * 32 + 4 * g + ((jj & 7) >> 1)) * 2 + (jj & 1)] = w;
+        s_wrot[vq_wslot(jj, g)] = w;
       }
     }
     VQ_BARRIER();
@@ -1128,7 +1133,7 @@ _MMA_TILES = (
         // tid % GP2 of slot pairs tid / GP2 + TILE / GP2 i, whose slots are TILE / GP2 / 8
         // chunks apart (GP2 <= 8)
         const int g0 = (int)vq_tid % GP2, jj0 = (int)vq_tid / GP2;
-        const int slot0 = ((jj0 >> 3) * 32 + 4 * g0 + ((jj0 & 7) >> 1)) * 2 + (jj0 & 1);
+        const int slot0 = vq_wslot(jj0, g0);
         VQ_UNROLL
         for (int i = 0; i < (8 * (PC + NPC) * GP2 + TILE - 1) / TILE; ++i) {
           const int jj = jj0 + TILE / GP2 * i, slot = slot0 + TILE / GP2 * 8 * i;
