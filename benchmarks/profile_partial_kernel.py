@@ -474,6 +474,16 @@ ONE_CUTS = {
 }
 
 
+def one_launch_cut(src, cut: str | None):
+    """The one-launch KernelSource `src` with ONE_CUTS[cut]'s edits (none for None), each of
+    which must match its text exactly once."""
+    for old, new in ONE_CUTS[cut] if cut else []:
+        if src.body.count(old) != 1:
+            raise SystemExit(f"--cut {cut}: the source no longer has exactly one {old!r}")
+        src = dataclasses.replace(src, body=src.body.replace(old, new))
+    return src
+
+
 def timeline_one(args) -> None:
     if backend() != "cuda":
         raise SystemExit("timeline-one reads CUDA's %globaltimer: it runs on CUDA only")
@@ -488,10 +498,7 @@ def timeline_one(args) -> None:
         if len(a["sources"]) != 1:
             raise SystemExit("the step is two launches here (kernels.ONE_LAUNCH off?)")
         src = a["sources"][0]
-        for old, new in ONE_CUTS.get(args.cut, []) if args.cut else []:
-            if src.body.count(old) != 1:
-                raise SystemExit(f"--cut {args.cut}: the source no longer has exactly one {old!r}")
-            src = dataclasses.replace(src, body=src.body.replace(old, new))
+        src = one_launch_cut(src, args.cut)
         src = one_launch_stamped(src, loop=K.mma_takes(K.layout_of(cache, H * G), a["r"]))
         kernel = vk.compiled(src, tuple(str(x.dtype) for x in a["partial"]))
         n_groups = a["groups"][0] * a["groups"][1]
