@@ -441,26 +441,20 @@ ONE_CUTS = {
     # the tail's count and hand-over without the merge itself: what the merge costs on its own
     "no-merge": [("  if (s_last) {\n    VQ_DEVICE_FENCE();\n", "  if (s_last) {\n#if 0\n")]
     + [("\n    if (vq_tid == 0) const_cast", "\n#endif\n    if (vq_tid == 0) const_cast")],
-    # the merge without its output-row loads (the prefetched rows zero, the others read as their
-    # weight): what the rows cost
+    # the merge without its output-row loads (each row read as its weight): what the rows cost
     "no-rows": [
         (
-            "pre[k] = vq_load_cg4(orow + min(k, n_splits) * (HQ * D));\n",
-            "pre[k] = VQ_F4(0.0f, 0.0f, 0.0f, 0.0f);\n",
-        ),
-        (
-            "        const float4 o = vq_load_cg4(orow + (c0 + s) * (HQ * D));\n",
-            "        const float4 o = VQ_F4(w, w, w, w);\n",
-        ),
+            "          const float4 o = vq_load_cg4(part_o + ((c0 + s) * HQ + hq0 + g) * D"
+            " + 4 * (i % (D / 4)));\n",
+            "          const float4 o = VQ_F4(w, w, w, w);\n",
+        )
     ],
     # the merge without the value Hadamard's butterfly (in registers at head_dim 128; d39b81c's
     # in threadgroup memory, whose log2(D) barriers this cut timed, read `if (VHAD) {`)
     "no-hadamard": [
         (
-            "    if (VHAD) {\n      const int j = cln;\n"
-            "      // the value Hadamard's butterfly in registers",
-            "    if (false) {\n      const int j = cln;\n"
-            "      // the value Hadamard's butterfly in registers",
+            "    if (VHAD && true) {\n      // the value Hadamard's butterfly in registers",
+            "    if (false) {\n      // the value Hadamard's butterfly in registers",
         )
     ],
     # one thread fences (after the barrier), as cooperative groups' grid sync does

@@ -88,7 +88,6 @@ struct vq_emu_state {
 inline vq_emu_state vq_emu;
 inline thread_local unsigned vq_emu_tid = 0;
 inline void vq_emu_block_barrier() { vq_emu.block->arrive_and_wait(); }
-inline void vq_emu_warp_barrier() { vq_emu.warps[vq_emu_tid >> 5]->arrive_and_wait(); }
 inline float vq_emu_shfl_xor(float v, int m) {
   const unsigned lane = vq_emu_tid & 31u, w = vq_emu_tid >> 5;
   vq_emu.xchg[w][lane] = v;
@@ -136,7 +135,6 @@ typedef vq_bf16 __nv_bfloat16;
 struct vq_dim3 { unsigned x, y, z; };
 inline thread_local vq_dim3 threadIdx, blockIdx;
 inline void __syncthreads() { vq_emu_block_barrier(); }
-inline void __syncwarp() { vq_emu_warp_barrier(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) { return vq_emu_shfl_xor(v, m); }
 inline float2 make_float2(float a, float b) { return float2(a, b); }
 inline float4 make_float4(float a, float b, float c, float d) { return float4(a, b, c, d); }
@@ -259,7 +257,6 @@ typedef vq_bf16 bfloat16_t;
 struct uint3 { unsigned x, y, z; };
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 inline void threadgroup_barrier(mem_flags) { vq_emu_block_barrier(); }
-inline void simdgroup_barrier(mem_flags) { vq_emu_warp_barrier(); }
 inline float simd_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += vq_emu_shfl_xor(x, o);
   return x;

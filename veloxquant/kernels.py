@@ -19,7 +19,6 @@ The dialect (what a body may use besides plain C arithmetic):
     VQ_FN               qualifier of helper functions (in `helpers`)
     VQ_GLOBAL           address space of device buffers in casts (`const VQ_GLOBAL uint32_t*`)
     VQ_BARRIER()        threadgroup barrier (with threadgroup memory ordering)
-    VQ_SIMD_BARRIER()   barrier of the SIMD group's lanes, ordering their threadgroup memory
     VQ_UNROLL           full unroll of the next loop (its bounds must be constants)
     VQ_UNROLL_BY(n)     unroll the next loop n iterations at a time
     VQ_F2(a, b), VQ_F4  float2 / float4 constructors (members .x .y .z .w on both backends)
@@ -79,7 +78,6 @@ typedef unsigned int uint;
 #define VQ_GLOBAL
 #define VQ_FN __device__ inline
 #define VQ_BARRIER() __syncthreads()
-#define VQ_SIMD_BARRIER() __syncwarp()
 #define VQ_UNROLL _Pragma("unroll")
 #define VQ_PRAGMA(x) _Pragma(#x)
 #define VQ_UNROLL_BY(n) VQ_PRAGMA(unroll n)
@@ -122,7 +120,6 @@ using namespace metal;
 #define VQ_GLOBAL device
 #define VQ_FN inline
 #define VQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
-#define VQ_SIMD_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
 #define VQ_UNROLL _Pragma("clang loop unroll(full)")
 #define VQ_PRAGMA(x) _Pragma(#x)
 #define VQ_UNROLL_BY(n) VQ_PRAGMA(clang loop unroll_count(n))

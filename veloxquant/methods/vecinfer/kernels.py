@@ -1610,36 +1610,6 @@ COMBINE_LOADS = 8  # output-row loads in flight per thread (the split loop's unr
 # compares the two (benchmarks/results/combine-float4-h200.txt).
 COMBINE_FLOAT4 = True
 COMBINE_LOADS4 = 16
-# The value Hadamard's butterfly over float4 x in registers, unnormalised: x is dims
-# 4 j .. 4 j + 3 of one head, and the head's D / 4 float4s are lanes of one SIMD group (lane
-# j ^ m holds item j ^ m), so the levels past x's own two are shuffles. The same sums in the
-# same order as the butterfly in threadgroup memory, whose log2(D) barriers were about 1.7 us of
-# the merge, the kernel's tail (benchmarks/results/merge-hadamard-h100.txt).
-_C4_BUTTERFLY = """      // the value Hadamard's butterfly in registers
-      float t = x.x;
-      x.x = t + x.y;
-      x.y = t - x.y;
-      t = x.z;
-      x.z = t + x.w;
-      x.w = t - x.w;
-      t = x.x;
-      x.x = t + x.z;
-      x.z = t - x.z;
-      t = x.y;
-      x.y = t + x.w;
-      x.w = t - x.w;
-      VQ_UNROLL
-      for (int m = 1; m < D / 4; m <<= 1) {
-        const float ox = vq_shfl_xor(x.x, m), oy = vq_shfl_xor(x.y, m);
-        const float oz = vq_shfl_xor(x.z, m), ow = vq_shfl_xor(x.w, m);
-        const bool hi = (j & m) != 0;  // the pair's upper element: (lower) - (upper)
-        x.x = hi ? ox - x.x : x.x + ox;
-        x.y = hi ? oy - x.y : x.y + oy;
-        x.z = hi ? oz - x.z : x.z + oz;
-        x.w = hi ? ow - x.w : x.w + ow;
-      }
-"""
-
 # (text of _COMBINE_HEADS, what replaces it) for COMBINE_FLOAT4: item i < CNH * D / 4 of the
 # rows is head i / (D / 4), dims 4 (i % (D / 4)) + 0..3, thread vq_tid taking items vq_tid,
 # vq_tid + CNT, ... (CP4 of them). C4ALL is true when every thread has all its items, and then
@@ -1683,10 +1653,35 @@ _COMBINE_FLOAT4_EDITS = (
     const int i = (int)vq_tid + k * CNT;
     float4 x = acc4[k];
     if (VHAD && C4HAD) {
+      // the value Hadamard's butterfly in registers (C4HAD): item i is dims 4 j..4 j + 3 of
+      // one head, j = i % (D / 4), and a head's D / 4 items are lanes of one SIMD group, so
+      // the levels past the item's own two are shuffles with lane j ^ m; the same sums in the
+      // same order as the butterfly in threadgroup memory, whose log2(D) barriers were about
+      // 1.7 us of the merge, the kernel's tail (benchmarks/results/merge-hadamard-h100.txt)
       const int j = i % (D / 4);
-"""
-        + _C4_BUTTERFLY
-        + """    }
+      float t = x.x;
+      x.x = t + x.y;
+      x.y = t - x.y;
+      t = x.z;
+      x.z = t + x.w;
+      x.w = t - x.w;
+      t = x.x;
+      x.x = t + x.z;
+      x.z = t - x.z;
+      t = x.y;
+      x.y = t + x.w;
+      x.w = t - x.w;
+      VQ_UNROLL
+      for (int m = 1; m < D / 4; m <<= 1) {
+        const float ox = vq_shfl_xor(x.x, m), oy = vq_shfl_xor(x.y, m);
+        const float oz = vq_shfl_xor(x.z, m), ow = vq_shfl_xor(x.w, m);
+        const bool hi = (j & m) != 0;  // the pair's upper element: (lower) - (upper)
+        x.x = hi ? ox - x.x : x.x + ox;
+        x.y = hi ? oy - x.y : x.y + oy;
+        x.z = hi ? oz - x.z : x.z + oz;
+        x.w = hi ? ow - x.w : x.w + ow;
+      }
+    }
     if (C4ALL || i < CNH * (D / 4)) {
       VQ_TG float* row = s_ch + (i / (D / 4)) * D + 4 * (i % (D / 4));
       row[0] = x.x;
@@ -1697,123 +1692,6 @@ _COMBINE_FLOAT4_EDITS = (
   }""",
     ),
 )
-
-
-# The one-launch merge with no threadgroup barrier (COMBINE_WARPS, at head_dim 128): SIMD group
-# w merges heads w, w + CNT / 32, ... on its own, lane j holding dims 4 j .. 4 j + 3 of the
-# head's rows as float4s. The float4 merge (_COMBINE_HEADS) spent its time in rounds one after
-# another: the maxima, a barrier, the largest max, a barrier, the weights, a barrier, only then
-# the rows. Here the first CPF rows, the first chunk's maxima and sums, the exact part and the
-# value scale and mean are all loaded at once, the largest max is a reduction over the lanes,
-# and the weights pass to the lanes through the SIMD group's CCH floats of threadgroup memory.
-# A head's sums are those of the float4 merge in the same order (rows in split order, the sums
-# of weight x l lane by lane per chunk, then across lanes), so the output is bit-identical.
-_COMBINE_WARPS = (
-    """
-  {
-  const int hq0 = COMBINE_FIRST;
-  const int h = hq0 / G;
-  const int cln = (int)vq_lane;
-  VQ_TG float* s_w = COMBINE_SCRATCH + (int)vq_warp * CCH;  // [CCH] a chunk's weights
-  for (int g = (int)vq_warp; g < CNH; g += CNT / 32) {
-    const int hq = hq0 + g;
-    const VQ_GLOBAL float* orow = part_o + hq * D + 4 * cln;  // + s HQ D: split s's row
-    // the first CPF rows (those past n_splits read the exact part's, never summed), the exact
-    // part, and this lane's dims' value scale and mean, in flight with the maxima below
-    float4 pre[CPF];
-    VQ_UNROLL
-    for (int k = 0; k < CPF; ++k) pre[k] = vq_load_cg4(orow + min(k, n_splits) * (HQ * D));
-    const float mf = vq_load_cg(part_m + n_splits * HQ + hq);
-    const float lf = vq_load_cg(part_l + n_splits * HQ + hq);
-    const float4 of = vq_load_cg4(orow + n_splits * (HQ * D));
-    float vsm[4], vmn[4];
-    VQ_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      vsm[e] = VSMOOTH ? static_cast<float>(value_smooth[h * D + 4 * cln + e]) : 1.0f;
-      vmn[e] = VMEAN ? static_cast<float>(value_mean[h * D + 4 * cln + e]) : 0.0f;
-    }
-    // the largest max over the splits and the exact part; the maxima and sums of splits
-    // cln + 32 k (k < CMK, the first chunk's) kept in registers (past n_splits: the exact
-    // part's, which is in the max anyway)
-    float mloc = NEG, mv[CMK], lv[CMK];
-    VQ_UNROLL
-    for (int k = 0; k < CMK; ++k) {
-      const int s = min(cln + 32 * k, n_splits);
-      mv[k] = vq_load_cg(part_m + s * HQ + hq);
-      lv[k] = vq_load_cg(part_l + s * HQ + hq);
-      mloc = VQ_FMAX(mloc, mv[k]);
-    }
-    for (int s = 32 * CMK + cln; s <= n_splits; s += 32) {
-      mloc = VQ_FMAX(mloc, vq_load_cg(part_m + s * HQ + hq));
-    }
-    const float M = vq_simd_max(mloc);
-    float4 acc = VQ_F4(0.0f, 0.0f, 0.0f, 0.0f);
-    float lc = 0.0f;
-    for (int c0 = 0; c0 < n_splits; c0 += CCH) {
-      const int cn = min(CCH, n_splits - c0);
-      float part = 0.0f;
-      if (c0 == 0) {
-        VQ_UNROLL
-        for (int k = 0; k < CMK; ++k) {
-          if (cln + 32 * k < cn) {
-            const float w = vq_exp2(mv[k] - M);
-            s_w[cln + 32 * k] = w;
-            part += w * lv[k];
-          }
-        }
-      } else {
-        for (int i = cln; i < cn; i += 32) {
-          const float w = vq_exp2(vq_load_cg(part_m + (c0 + i) * HQ + hq) - M);
-          s_w[i] = w;
-          part += w * vq_load_cg(part_l + (c0 + i) * HQ + hq);
-        }
-      }
-      lc += vq_simd_sum(part);
-      VQ_SIMD_BARRIER();
-      if (c0 == 0) {
-        VQ_UNROLL
-        for (int k = 0; k < CPF; ++k) {
-          if (k < cn) {
-            const float w = s_w[k];
-            acc.x += w * pre[k].x;
-            acc.y += w * pre[k].y;
-            acc.z += w * pre[k].z;
-            acc.w += w * pre[k].w;
-          }
-        }
-      }
-      VQ_UNROLL_BY(CWU)
-      for (int s = c0 == 0 ? CPF : 0; s < cn; ++s) {
-        const float w = s_w[s];
-        const float4 o = vq_load_cg4(orow + (c0 + s) * (HQ * D));
-        acc.x += w * o.x;
-        acc.y += w * o.y;
-        acc.z += w * o.z;
-        acc.w += w * o.w;
-      }
-      VQ_SIMD_BARRIER();  // the next chunk's weights overwrite these
-    }
-    float4 x = acc;
-    if (VHAD) {
-      const int j = cln;
-"""
-    + _C4_BUTTERFLY
-    + """    }
-    const float wf = vq_exp2(mf - M);
-    const float xs[4] = {x.x, x.y, x.z, x.w}, ofs[4] = {of.x, of.y, of.z, of.w};
-    VQ_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      float v = xs[e] * (VHAD ? INV_SQRT_D : 1.0f);
-      if (VSMOOTH) v *= vsm[e];
-      if (VMEAN) v += vmn[e] * lc;
-      out[hq * D + 4 * cln + e] = static_cast<OUT_T>((v + wf * ofs[e]) / (lc + wf * lf));
-    }
-  }
-  }
-"""
-)
-COMBINE_WARPS = True
-COMBINE_PREFETCH = 16  # CPF: the warp merge's first rows, loaded with its maxima
 
 
 def combine_floats(heads: int, head_dim: int, threads: int | None = None) -> int:
@@ -1837,11 +1715,7 @@ def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scr
     whole = COMBINE_FLOAT4 and head_dim % 4 == 0 and 32 % (head_dim // 4) == 0
     sizes["C4HAD"] = "true" if whole and threads % 32 == 0 else "false"
     body = _COMBINE_HEADS
-    if COMBINE_FLOAT4 and COMBINE_WARPS and head_dim == 128 and threads % 32 == 0:
-        body = _COMBINE_WARPS
-        sizes["CPF"], sizes["CMK"] = COMBINE_PREFETCH, -(-COMBINE_CHUNK // 32)
-        sizes["CWU"] = COMBINE_LOADS4
-    elif COMBINE_FLOAT4:
+    if COMBINE_FLOAT4:
         for old, new in _COMBINE_FLOAT4_EDITS:
             if body.count(old) != 1:
                 raise RuntimeError(f"_COMBINE_FLOAT4_EDITS no longer fit _COMBINE_HEADS: {old!r}")
