@@ -205,7 +205,6 @@ inline void vq_mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (
   vq_emu.warps[w]->arrive_and_wait();
 }
 inline uint32_t vq_and_opaque(uint32_t x, uint32_t m) { return x & m; }
-inline void vq_prefetch_l2(const void*, uint32_t) {}
 inline float vq_ex2(float x) {
   const float y = std::exp2(x);
   return y < 0x1p-126f ? 0.0f : y;

@@ -84,11 +84,6 @@ TOKENS_PER_THREAD = 2
 # ahead (the value rows' turn spilled: 128 registers). Faster inside real decode steps on an
 # H100 than False (benchmarks/results/mma-loop-h100.txt, `h200_mma.sh loop`'s noahead arm).
 KEY_ROWS_AHEAD = True
-# Tiles of code rows (keys and values) the tensor-core loop has prefetched into L2 ahead of the
-# tile it is on: the split's first L2_PREFETCH_TILES tiles while the setup runs, then each
-# tile's rows L2_PREFETCH_TILES tiles ahead, by one thread (a bulk prefetch per side on sm_90).
-# The loop waits on its rows' round trips, and rows already in L2 come back sooner. 0: none.
-L2_PREFETCH_TILES = 2
 # Value codes each thread has in flight while it accumulates the previous ones.
 VALUE_PREFETCH = 16
 # Key sub-vectors scored per iteration of the partial kernel's key loop, which is not unrolled
@@ -879,16 +874,6 @@ __device__ inline float vq_ex2(float x) {
 __device__ inline uint32_t vq_tg_address(const void* p) {
   return (uint32_t)__cvta_generic_to_shared(p);
 }
-// the `bytes` bytes at p (16-byte aligned, a multiple of 16) into L2, nothing waiting on them
-__device__ inline void vq_prefetch_l2(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#else
-  for (uint32_t o = 0; o < bytes; o += 128) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(static_cast<const char*>(p) + o));
-  }
-#endif
-}
 #endif
 // nb bits from bit b of the words w (b a constant once unrolled)
 template <int N>
@@ -946,17 +931,6 @@ VQ_FN uint32_t vq_bits_at(const uint32_t (&w)[N], int b, int nb, int lg) {
   if (sh + nb > 32) return vq_bits(w, b, nb) << lg;
   const uint32_t x = vq_and_opaque(w[i], ((1u << nb) - 1u) << sh);
   return sh >= lg ? x >> (sh - lg) : x << (lg - sh);
-}
-// code rows t0 .. t1 - 1 of KV head h, keys and values, into L2 (t1 rounded up to whole blocks
-// of 16 rows, which the buffers' capacity is made of, so that the bytes are a multiple of 16)
-template <int KW, int VW>
-VQ_FN void vq_prefetch_rows(const VQ_GLOBAL uint32_t* kwords, const VQ_GLOBAL uint32_t* vwords,
-                            int h, int cap, int t0, int t1) {
-  const int n = min(cap, (t1 + 15) & ~15) - t0;
-  if (n > 0) {
-    vq_prefetch_l2(kwords + ((size_t)h * cap + t0) * KW, (uint32_t)(n * KW * 4));
-    vq_prefetch_l2(vwords + ((size_t)h * cap + t0) * VW, (uint32_t)(n * VW * 4));
-  }
 }
 // the s_wb / s_wrot slot of slot pair jj = 8 c + 2 l4 + hf and head g: register hf of lane
 // 4 g + l4 in chunk c
@@ -1018,13 +992,7 @@ _MMA_SHARED = """
   VQ_TG float* s_qtf = reinterpret_cast<VQ_TG float*>(s_qt);
 """
 
-_MMA_BOOKS = """    if (L2PF > 0 && vq_tid == 0) {  // the split's first L2PF tiles of rows, into L2
-      const int t0 = split * tps;
-      vq_prefetch_rows<KW, VW>(reinterpret_cast<const VQ_GLOBAL uint32_t*>(key_codes),
-                               reinterpret_cast<const VQ_GLOBAL uint32_t*>(value_codes), h, cap,
-                               t0, min(T, min(t0 + tps, t0 + L2PF * TT)));
-    }
-    // the codebooks' f16 bits (the pack's books are f16), copied so that a SIMD
+_MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), copied so that a SIMD
     // group's random codes hit distinct banks
     const int kbook = KBOOKS > 1 ? h : 0, vbook = VBOOKS > 1 ? h : 0;
     vq_book16<KCODES, KR16, KD, KEW>(s_kb16, key_book + kbook * KCODES * KD, (int)vq_tid, TILE);
@@ -1154,10 +1122,6 @@ _MMA_TILES = (
       }
     }
     for (int tile = t_begin; tile < t_end; tile += TT) {
-      if (L2PF > 0 && vq_tid == 0) {  // the rows L2PF tiles ahead, into L2
-        const int ta = tile + L2PF * TT;
-        if (ta < t_end) vq_prefetch_rows<KW, VW>(kwords, vwords, h, cap, ta, min(t_end, ta + TT));
-      }
       // this tile's buffer of s_wb: a SIMD group still on the last tile reads the other one
       const int wbuf = (tile / TT) & 1;
       const VQ_TG uint2* wb = s_wb + wbuf * (PC + NPC) * 32;
@@ -2092,7 +2056,6 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
         "KLG": (kr * kew * 4).bit_length() - 1,  # log2 of a code's bytes in the copies' array
         "VLG": (vr * vew * 4).bit_length() - 1,
         "KAHEAD": KEY_ROWS_AHEAD,  # first key rows of a tile loaded one tile ahead
-        "L2PF": L2_PREFETCH_TILES,
     }
 
 
