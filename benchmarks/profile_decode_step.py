@@ -14,7 +14,9 @@ Run it under ncu with profiling off at the start; the script turns the profiler 
 Without ncu it prints the synchronous step's wall time per arm (interleaved repeats), which is
 what the GPU time per step is set against. `--parse` prints, per arm, the GPU time of a step
 (the sum of its kernels' durations), the kernel count, and the kernels grouped by name, largest
-first.
+first; with `--per-layer`, also every attention launch of each step in layer order (a grouped
+median hid that a step's first layer and its last four took 200-450 us where the others took
+25-80: benchmarks/results/launch-params-h100.txt).
 
 `--baseline NAME=KERNELS_PY` (repeatable) adds an arm per other revision of
 veloxquant/methods/vecinfer/kernels.py, on fused caches of its own: the A/B of a kernel change
@@ -121,7 +123,7 @@ def baselines(specs: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def parse(path: str, arms: list[str], steps: int) -> None:
+def parse(path: str, arms: list[str], steps: int, per_layer: bool = False) -> None:
     rows = []
     with open(path, newline="") as f:
         lines = [ln for ln in f if ln.startswith('"')]
@@ -159,6 +161,9 @@ def parse(path: str, arms: list[str], steps: int) -> None:
         for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
             med = statistics.median(ts)
             print(f"  {sum(ts) / 1e3:8.3f} ms  {len(ts):5d} x {med:8.2f} us  {name}")
+        for i, step in enumerate(mine if per_layer else []):
+            layers = [t for name, t in step if "attn" in name or "sdpa" in name]
+            print(f"  step {i} attention per layer, us: " + " ".join(f"{t:.0f}" for t in layers))
 
 
 def main() -> None:
@@ -171,10 +176,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--parse", metavar="NCU_CSV")
+    p.add_argument("--per-layer", action="store_true", help="--parse: each attention launch")
     p.add_argument("--baseline", action="append", default=[], metavar="NAME=KERNELS_PY")
     args = p.parse_args()
     if args.parse:
-        parse(args.parse, list(ARMS) + [n for n, _ in baselines(args.baseline)], args.steps)
+        names = list(ARMS) + [n for n, _ in baselines(args.baseline)]
+        parse(args.parse, names, args.steps, args.per_layer)
     elif not args.random_weights:
         p.error("--random-weights CONFIG_JSON is needed to profile (or --parse NCU_CSV)")
     else:
