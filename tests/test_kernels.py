@@ -1161,6 +1161,32 @@ def test_launch_constants_are_built_once():
     assert np.array(params).tolist() == [300, 4, 512] + [0] * (K.PARAMS - 3)
 
 
+@pytest.mark.parametrize("on_gpu", [True, False], ids=["chained", "host"])
+def test_decode_step_launch_params_hold_their_values(on_gpu, monkeypatch):
+    # on CUDA a new value set is the latest one plus the difference (added by MLX, here on the
+    # CPU), so that no host array is made at every step; each set must still read its values
+    import collections
+
+    import veloxquant.kernels as vk
+
+    monkeypatch.setattr(vk, "backend", lambda: "cuda" if on_gpu else None)
+    monkeypatch.setattr(vk, "_PARAMS", collections.OrderedDict())
+    monkeypatch.setattr(vk, "_STEPS", {})
+    window, sinks, made = 26, 4, []
+    for t in range(300, 360):  # decode: a token more, the ring a slot on, tps grows at 320
+        tps = 512 if t < 320 else 768
+        values = [t, sinks, tps, 4, window, 1, 384, window, 1, t % window, window, sinks + t]
+        params = K._int_params(values)
+        assert np.array(params).tolist() == values + [0] * (K.PARAMS - len(values))
+        assert K._int_params(values) is params  # every layer of the step: one array
+        other = K._int_params([7, 0, 256] + values[3:])  # another model's layers between
+        assert np.array(other).tolist()[:3] == [7, 0, 256]
+        made.append(params)
+    assert K._int_params([t, sinks, tps] + values[3:]) is made[-1]
+    # the differences repeat (a token more, the ring's wrap, per model), not one new per step
+    assert 0 < len(vk._STEPS) <= 8 if on_gpu else not vk._STEPS
+
+
 def test_launch_refuses_small_inputs_and_a_wrong_input_count(monkeypatch):
     # Metal passes inputs under 8 elements in the constant address space, which the kernels'
     # casts do not expect: refused by name, as is a call with the wrong number of inputs

@@ -55,6 +55,8 @@ import os
 import re
 import shutil
 import tempfile
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -367,6 +369,72 @@ def split_target(override: int | None, per_multiprocessor: int, elsewhere: int) 
     if backend() == "cuda":
         return per_multiprocessor * cuda_multiprocessors()
     return elsewhere
+
+
+# A decode step's launch parameters (counts, positions, the ring slot) change at every step. On
+# MLX's CUDA backend an array made from host values lives in managed memory, so the first kernel
+# to read it faulted its page over to the GPU, and other host-made arrays on that page (the
+# layers' packs) faulted back in their next kernels: inside real decode steps on an H100 those
+# launches took 200-450 us against 25-80 us (benchmarks/results/launch-params-h100.txt). So on
+# CUDA a new value set is the nearest recent one (of as many values) plus their difference, added
+# on the GPU (device memory, which no host write touches); the differences repeat from step to
+# step (a token more, the ring a slot on), so each is made from host values once. The nearest,
+# not the latest: with two kinds of launch (or two models) taking turns, the latest set is the
+# other kind's, and the difference would be new at every step. Off (False), every set is a host
+# array.
+DEVICE_LAUNCH_PARAMS = True
+LAUNCH_PARAMS_KEPT = 16  # recent value sets kept: every layer of a step asks for the same one
+_PARAMS_LOCK = threading.Lock()
+_PARAMS: OrderedDict[tuple, mx.array] = OrderedDict()
+
+
+def launch_params(values: tuple[int, ...], dtype: mx.Dtype = mx.int32) -> mx.array:
+    """An array of `values` for a kernel launch, one array per value set among recent calls (see
+    DEVICE_LAUNCH_PARAMS for how a new set is made on CUDA)."""
+    key = (str(dtype), values)
+    with _PARAMS_LOCK:
+        made = _PARAMS.get(key)
+        if made is not None:
+            _PARAMS.move_to_end(key)
+            return made
+        if DEVICE_LAUNCH_PARAMS and backend() == "cuda":
+            made = _from_recent(key, dtype)
+        if made is None:
+            made = mx.array(list(values), dtype)
+        _PARAMS[key] = made
+        if len(_PARAMS) > LAUNCH_PARAMS_KEPT:
+            _PARAMS.popitem(last=False)
+        return made
+
+
+def _from_recent(key: tuple, dtype: mx.Dtype) -> mx.array | None:
+    """key's values as a recent set plus a difference: the first of the 4 latest sets (of as
+    many values) whose difference to them is already an array, else the nearest of them."""
+    kind, values = key
+    near, far, seen = None, 2**30, 0  # the difference must fit the dtype (int32)
+    for (other, old), array in reversed(_PARAMS.items()):
+        if other != kind or len(old) != len(values):
+            continue
+        step = (kind, tuple([v - u for v, u in zip(values, old, strict=True)]))
+        made = _STEPS.get(step)
+        if made is not None:
+            return array + made
+        size = sum(map(abs, step[1]))
+        if size < far:
+            near, far = (step, array), size
+        seen += 1
+        if seen == 4:
+            break
+    if near is None:
+        return None
+    step, array = near
+    _STEPS[step] = mx.array(list(step[1]), dtype)
+    if len(_STEPS) > 64:
+        _STEPS.pop(next(iter(_STEPS)))
+    return array + _STEPS[step]
+
+
+_STEPS: dict[tuple, mx.array] = {}  # differences between value sets, as arrays
 
 
 _COMPILED: dict[tuple[str, str, tuple[str, ...], bool], Any] = {}

@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant import attention
-from veloxquant.kernels import KernelSource, backend, launch, split_target
+from veloxquant.kernels import KernelSource, backend, launch, launch_params, split_target
 
 TILE = 128  # tokens per tile, and threads per threadgroup
 NEG = -1.0e30  # finite "minus infinity" (no inf arithmetic in kernels)
@@ -517,12 +517,7 @@ def split_tiles(n_blocks: int, group_size: int, n_kv_heads: int, target: int | N
 
 
 def _int_params(values: tuple[int, ...]) -> mx.array:
-    return _int_params_of(tuple(values))
-
-
-@functools.lru_cache(maxsize=16)
-def _int_params_of(values: tuple[int, ...]) -> mx.array:
-    return mx.array(list(values) + [0] * (PARAMS - len(values)), mx.int32)
+    return launch_params(tuple(values) + (0,) * (PARAMS - len(values)))
 
 
 @functools.lru_cache(maxsize=16)

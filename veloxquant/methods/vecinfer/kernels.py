@@ -63,7 +63,7 @@ import numpy as np
 
 from veloxquant import attention
 from veloxquant.codes import code_bytes, pq_decode
-from veloxquant.kernels import KernelSource, split_target
+from veloxquant.kernels import KernelSource, launch_params, split_target
 from veloxquant.rope import RopeSpec, rotated_mean
 
 TILE = 128  # tokens per tile and threads per threadgroup of the partial kernel
@@ -2733,15 +2733,9 @@ def _float_params(*values: float) -> mx.array:
 
 
 def _int_params(values: list[int]) -> mx.array:
-    """[PARAMS] int32 launch parameters, one array per distinct value set among recent calls:
-    every layer of one decode step attends with the same counts, so one array serves them all
-    instead of one host-to-device copy per layer and launch."""
-    return _int_params_of(tuple(values))
-
-
-@functools.lru_cache(maxsize=16)  # a few steps' worth; thread-safe, oldest dropped first
-def _int_params_of(values: tuple[int, ...]) -> mx.array:
-    return mx.array(list(values) + [0] * (PARAMS - len(values)), mx.int32)
+    """[PARAMS] int32 launch parameters (`veloxquant.kernels.launch_params`): every layer of one
+    decode step attends with the same counts, so one array serves them all."""
+    return launch_params(tuple(values) + (0,) * (PARAMS - len(values)))
 
 
 def _dummy(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
