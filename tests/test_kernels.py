@@ -1163,7 +1163,7 @@ def test_launch_constants_are_built_once():
 
 @pytest.mark.parametrize("on_gpu", [True, False], ids=["chained", "host"])
 def test_decode_step_launch_params_hold_their_values(on_gpu, monkeypatch):
-    # on CUDA a new value set is the latest one plus the difference (added by MLX, here on the
+    # on CUDA a new value set is a recent one plus the difference (added by MLX, here on the
     # CPU), so that no host array is made at every step; each set must still read its values
     import collections
 

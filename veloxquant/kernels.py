@@ -372,10 +372,11 @@ def split_target(override: int | None, per_multiprocessor: int, elsewhere: int) 
 
 
 # A decode step's launch parameters (counts, positions, the ring slot) change at every step. On
-# MLX's CUDA backend an array made from host values lives in managed memory, so the first kernel
-# to read it faulted its page over to the GPU, and other host-made arrays on that page (the
-# layers' packs) faulted back in their next kernels: inside real decode steps on an H100 those
-# launches took 200-450 us against 25-80 us (benchmarks/results/launch-params-h100.txt). So on
+# MLX's CUDA backend an array made from host values lives in managed memory: most likely the
+# first kernel to read it faults its page over to the GPU, and other host-made arrays on that
+# page (the layers' packs) fault back in their next kernels. Inside real decode steps on an
+# H100, a step's first launch (and at some lengths its last four) took 200-450 us against 25-80
+# (benchmarks/results/launch-params-h100.txt; this remedy is not yet timed there). So on
 # CUDA a new value set is the nearest recent one (of as many values) plus their difference, added
 # on the GPU (device memory, which no host write touches); the differences repeat from step to
 # step (a token more, the ring a slot on), so each is made from host values once. The nearest,
@@ -386,6 +387,7 @@ DEVICE_LAUNCH_PARAMS = True
 LAUNCH_PARAMS_KEPT = 16  # recent value sets kept: every layer of a step asks for the same one
 _PARAMS_LOCK = threading.Lock()
 _PARAMS: OrderedDict[tuple, mx.array] = OrderedDict()
+_STEPS: dict[tuple, mx.array] = {}  # differences between value sets, as arrays
 
 
 def launch_params(values: tuple[int, ...], dtype: mx.Dtype = mx.int32) -> mx.array:
@@ -432,9 +434,6 @@ def _from_recent(key: tuple, dtype: mx.Dtype) -> mx.array | None:
     if len(_STEPS) > 64:
         _STEPS.pop(next(iter(_STEPS)))
     return array + _STEPS[step]
-
-
-_STEPS: dict[tuple, mx.array] = {}  # differences between value sets, as arrays
 
 
 _COMPILED: dict[tuple[str, str, tuple[str, ...], bool], Any] = {}
