@@ -1187,6 +1187,19 @@ def test_decode_step_launch_params_hold_their_values(on_gpu, monkeypatch):
     assert 0 < len(vk._STEPS) <= 8 if on_gpu else not vk._STEPS
 
 
+def test_device_resident_copies_only_on_cuda(monkeypatch):
+    import veloxquant.kernels as vk
+
+    x = mx.array([1, 2, 4_000_000_000], mx.uint32)
+    for where in ("metal", None):
+        monkeypatch.setattr(vk, "backend", lambda w=where: w)
+        assert vk.device_resident(x) is x
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    copy = vk.device_resident(x)
+    assert copy is not x and copy.dtype == mx.uint32
+    assert copy.tolist() == [1, 2, 4_000_000_000]
+
+
 def test_launch_refuses_small_inputs_and_a_wrong_input_count(monkeypatch):
     # Metal passes inputs under 8 elements in the constant address space, which the kernels'
     # casts do not expect: refused by name, as is a call with the wrong number of inputs

@@ -436,6 +436,18 @@ def _from_recent(key: tuple, dtype: mx.Dtype) -> mx.array | None:
     return array + _STEPS[step]
 
 
+def device_resident(x: mx.array) -> mx.array:
+    """`x` copied by a GPU op on CUDA (see DEVICE_LAUNCH_PARAMS: device memory, which no host
+    write shares a page with), `x` itself elsewhere: for a host-made array that a kernel reads
+    at every launch. Evaluated here, while `x` is still held: a temporary input's buffer would
+    otherwise be donated to the copy, which would then be `x`'s managed memory again."""
+    if not (DEVICE_LAUNCH_PARAMS and backend() == "cuda"):
+        return x
+    copy = x + 0
+    mx.eval(copy)
+    return copy
+
+
 _COMPILED: dict[tuple[str, str, tuple[str, ...], bool], Any] = {}
 
 

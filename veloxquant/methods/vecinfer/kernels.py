@@ -63,7 +63,7 @@ import numpy as np
 
 from veloxquant import attention
 from veloxquant.codes import code_bytes, pq_decode
-from veloxquant.kernels import KernelSource, launch_params, split_target
+from veloxquant.kernels import KernelSource, device_resident, launch_params, split_target
 from veloxquant.rope import RopeSpec, rotated_mean
 
 TILE = 128  # tokens per tile and threads per threadgroup of the partial kernel
@@ -2340,7 +2340,9 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
                     f"{n}; the cache's arrays do not match its own shapes (a corrupt state?)"
                 )
             pack[off * 4 : off * 4 + x.nbytes] = x.view(np.uint8)
-        memo[key] = mx.array(pack.view(np.uint32))
+        # host-made: on CUDA copied to device memory, where the last layers' packs no longer
+        # share a managed page with the arrays the host makes later (launch-params-h100.txt)
+        memo[key] = device_resident(mx.array(pack.view(np.uint32)))
     return memo[key]
 
 
