@@ -1185,6 +1185,8 @@ def test_decode_step_launch_params_hold_their_values(on_gpu, monkeypatch):
     assert K._int_params([t, sinks, tps] + values[3:]) is made[-1]
     # the differences repeat (a token more, the ring's wrap, per model), not one new per step
     assert 0 < len(vk._STEPS) <= 8 if on_gpu else not vk._STEPS
+    with pytest.raises(ValueError, match="int32"):  # not wrapped around by a difference
+        K._int_params([2**31] + values[1:])
 
 
 def test_device_resident_copies_only_on_cuda(monkeypatch):

@@ -376,52 +376,58 @@ def split_target(override: int | None, per_multiprocessor: int, elsewhere: int) 
 # first kernel to read it faults its page over to the GPU, and other host-made arrays on that
 # page (the layers' packs) fault back in their next kernels. Inside real decode steps on an
 # H100, a step's first launch (and at some lengths its last four) took 200-450 us against 25-80
-# (benchmarks/results/launch-params-h100.txt; this remedy is not yet timed there). So on
-# CUDA a new value set is the nearest recent one (of as many values) plus their difference, added
-# on the GPU (device memory, which no host write touches); the differences repeat from step to
-# step (a token more, the ring a slot on), so each is made from host values once. The nearest,
-# not the latest: with two kinds of launch (or two models) taking turns, the latest set is the
-# other kind's, and the difference would be new at every step. Off (False), every set is a host
-# array.
+# (benchmarks/results/launch-params-h100.txt; this remedy is not yet timed there). So on CUDA a
+# new value set is the nearest recent one (of as many values) plus their difference, added on
+# the GPU: a GPU op's output, normally device memory that no host write touches (MLX's buffer
+# cache may still hand it a freed managed buffer). The differences repeat from step to step (a
+# token more, the ring a slot on), so each is made once and copied to the GPU
+# (`device_resident`). The nearest, not the latest: with two kinds of launch (or two models)
+# taking turns, the latest set is the other kind's, and the difference would be new at every
+# step. Off (False), every set is a host array.
 DEVICE_LAUNCH_PARAMS = True
 LAUNCH_PARAMS_KEPT = 16  # recent value sets kept: every layer of a step asks for the same one
 _PARAMS_LOCK = threading.Lock()
-_PARAMS: OrderedDict[tuple, mx.array] = OrderedDict()
-_STEPS: dict[tuple, mx.array] = {}  # differences between value sets, as arrays
+_PARAMS: OrderedDict[tuple[int, ...], mx.array] = OrderedDict()
+_STEPS: dict[tuple[int, ...], mx.array] = {}  # differences between value sets, on the GPU
 
 
-def launch_params(values: tuple[int, ...], dtype: mx.Dtype = mx.int32) -> mx.array:
-    """An array of `values` for a kernel launch, one array per value set among recent calls (see
-    DEVICE_LAUNCH_PARAMS for how a new set is made on CUDA)."""
-    key = (str(dtype), values)
+def launch_params(values: tuple[int, ...]) -> mx.array:
+    """An int32 array of `values` for a kernel launch, one array per value set among recent
+    calls (see DEVICE_LAUNCH_PARAMS for how a new set is made on CUDA). A value outside int32
+    is a ValueError."""
     with _PARAMS_LOCK:
-        made = _PARAMS.get(key)
+        made = _PARAMS.get(values)
         if made is not None:
-            _PARAMS.move_to_end(key)
+            _PARAMS.move_to_end(values)
             return made
+        if not all(-(2**31) <= v < 2**31 for v in values):
+            raise ValueError(f"launch parameters {values} do not fit int32")
         if DEVICE_LAUNCH_PARAMS and backend() == "cuda":
-            made = _from_recent(key, dtype)
+            made = _from_recent(values)
         if made is None:
-            made = mx.array(list(values), dtype)
-        _PARAMS[key] = made
+            made = mx.array(list(values), mx.int32)
+        else:
+            # started now, under the lock: a set is shared between threads, and two threads
+            # must not evaluate the same unevaluated array
+            mx.async_eval(made)
+        _PARAMS[values] = made
         if len(_PARAMS) > LAUNCH_PARAMS_KEPT:
             _PARAMS.popitem(last=False)
         return made
 
 
-def _from_recent(key: tuple, dtype: mx.Dtype) -> mx.array | None:
-    """key's values as a recent set plus a difference: the first of the 4 latest sets (of as
-    many values) whose difference to them is already an array, else the nearest of them."""
-    kind, values = key
-    near, far, seen = None, 2**30, 0  # the difference must fit the dtype (int32)
-    for (other, old), array in reversed(_PARAMS.items()):
-        if other != kind or len(old) != len(values):
+def _from_recent(values: tuple[int, ...]) -> mx.array | None:
+    """`values` as a recent set plus a difference: the first of the 4 latest sets (of as many
+    values) whose difference to them is already an array, else the nearest of them."""
+    near, far, seen = None, 2**30, 0  # the difference must fit int32
+    for old, array in reversed(_PARAMS.items()):
+        if len(old) != len(values):
             continue
-        step = (kind, tuple([v - u for v, u in zip(values, old, strict=True)]))
+        step = tuple([v - u for v, u in zip(values, old, strict=True)])
         made = _STEPS.get(step)
         if made is not None:
             return array + made
-        size = sum(map(abs, step[1]))
+        size = sum(map(abs, step))
         if size < far:
             near, far = (step, array), size
         seen += 1
@@ -430,17 +436,17 @@ def _from_recent(key: tuple, dtype: mx.Dtype) -> mx.array | None:
     if near is None:
         return None
     step, array = near
-    _STEPS[step] = mx.array(list(step[1]), dtype)
+    _STEPS[step] = device_resident(mx.array(list(step), mx.int32))
     if len(_STEPS) > 64:
         _STEPS.pop(next(iter(_STEPS)))
     return array + _STEPS[step]
 
 
 def device_resident(x: mx.array) -> mx.array:
-    """`x` copied by a GPU op on CUDA (see DEVICE_LAUNCH_PARAMS: device memory, which no host
-    write shares a page with), `x` itself elsewhere: for a host-made array that a kernel reads
-    at every launch. Evaluated here, while `x` is still held: a temporary input's buffer would
-    otherwise be donated to the copy, which would then be `x`'s managed memory again."""
+    """`x` copied by a GPU op on CUDA (normally device memory, which no host write shares a page
+    with; see DEVICE_LAUNCH_PARAMS), `x` itself elsewhere: for a host-made array that kernels
+    read at every launch. Evaluated here, while `x` is still held: a temporary input's buffer
+    would otherwise be donated to the copy, which would then be `x`'s managed memory again."""
     if not (DEVICE_LAUNCH_PARAMS and backend() == "cuda"):
         return x
     copy = x + 0
