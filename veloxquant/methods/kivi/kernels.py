@@ -34,7 +34,14 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant import attention
-from veloxquant.kernels import KernelSource, backend, launch, launch_params, split_target
+from veloxquant.kernels import (
+    KernelSource,
+    backend,
+    device_resident,
+    launch,
+    launch_params,
+    split_target,
+)
 
 TILE = 128  # tokens per tile, and threads per threadgroup
 NEG = -1.0e30  # finite "minus infinity" (no inf arithmetic in kernels)
@@ -522,7 +529,8 @@ def _int_params(values: tuple[int, ...]) -> mx.array:
 
 @functools.lru_cache(maxsize=16)
 def _float_params(value: float) -> mx.array:
-    return mx.array([value] + [0.0] * 7, mx.float32)
+    # read by every launch: on CUDA out of the managed memory host-made arrays live in
+    return device_resident(mx.array([value] + [0.0] * 7, mx.float32))
 
 
 @functools.lru_cache(maxsize=16)
@@ -544,7 +552,7 @@ def head_table(cache: Any, lay: Layout) -> tuple[mx.array, int]:
                 rows += [h, key_heads.index(h), value_heads.index(h), 0]
         n = len(rows) // 4
         rows += [0] * max(0, 8 - len(rows))
-        memo[key] = (mx.array(rows, mx.int32), n)
+        memo[key] = (device_resident(mx.array(rows, mx.int32)), n)  # as _float_params
     return memo[key]
 
 
