@@ -125,6 +125,9 @@ def interleaved_decode(model, arms: dict, token, repeats: int, tokens: int) -> d
             caches, select = arms[name]
             select()
             out[name][0].append(tokens_per_second(model, caches, tokens))
+            # generate_step leaves its look-ahead step in flight: without this wait the
+            # submission below queued behind it and counted part of the GPU's time
+            mx.synchronize()
             build, submit, step = build_and_step(model, caches, token)
             out[name][1].append(step)
             out[name][2].append(build)
