@@ -56,6 +56,10 @@ THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 TARGET_GROUPS: int | None = None
 GROUPS_PER_MULTIPROCESSOR = 8
 PARAMS = 16  # int32 slots of iparams
+# channels of a thread's key-score loop unrolled at once, so that their code loads are in flight
+# together (benchmarks/results/kivi-key-unroll-h100.txt; tests/test_cuda_compile.py keeps the
+# registers it costs within 6 threadgroups per multiprocessor)
+KEY_UNROLL = 64
 # Scores alive at once in one piece of the twin (float32 elements): bounds prefill's peak.
 PIECE_ELEMENTS = 1 << 25
 PIECE_TOKENS = 16384
@@ -253,14 +257,14 @@ _PARTIAL_BODY = (
         if ((G * KB) % 32 == 0) {
           const VQ_GLOBAL uint32_t* wu = w + (u * KB >> 5);
           const uint sh = (uint)(u * KB) & 31u;
-          VQ_UNROLL_BY(4)
+          VQ_UNROLL_BY(KUN)
           for (int c = 0; c < D; ++c) {
             const float code = (float)vq_kivi_bits(wu + c * (G * KB / 32), sh, KB);
             VQ_UNROLL
             for (int g = 0; g < GQ; ++g) sc[g] += s_qs[(b * GQ + g) * D + c] * code;
           }
         } else {
-          VQ_UNROLL_BY(4)
+          VQ_UNROLL_BY(KUN)
           for (int c = 0; c < D; ++c) {
             const float code = (float)vq_kivi_code(w, (uint)((c * G + u) * KB), KB);
             VQ_UNROLL
@@ -463,8 +467,12 @@ _COMBINE_BODY = """
 COMBINE_INPUTS = ("part_m", "part_l", "part_o", "heads", "iparams")
 
 
-@functools.lru_cache(maxsize=64)
 def partial_kernel_source(lay: Layout) -> KernelSource:
+    return _partial_kernel_source(lay, KEY_UNROLL)
+
+
+@functools.lru_cache(maxsize=64)
+def _partial_kernel_source(lay: Layout, key_unroll: int) -> KernelSource:
     constants = {
         "TILE": TILE,
         "NEG": NEG,
@@ -475,6 +483,7 @@ def partial_kernel_source(lay: Layout) -> KernelSource:
         "VB": lay.value_bits,
         "KW": lay.key_words,
         "VW": lay.value_words,
+        "KUN": key_unroll,
     }
     return KernelSource(
         name="vq_kivi_attn_partial",
