@@ -375,8 +375,8 @@ def split_target(override: int | None, per_multiprocessor: int, elsewhere: int) 
 # MLX's CUDA backend an array made from host values lives in managed memory: most likely the
 # first kernel to read it faults its page over to the GPU, and other host-made arrays on that
 # page (the layers' packs) fault back in their next kernels. Inside real decode steps on an
-# H100, a step's first launch (and at some lengths its last four) took 200-450 us against 25-80
-# (benchmarks/results/launch-params-h100.txt; this remedy is not yet timed there). So on CUDA a
+# H100, a step's first launch (and at some lengths its last four) took 200-450 us against 25-80,
+# and with this remedy they are even (benchmarks/results/launch-params-h100.txt). So on CUDA a
 # new value set is the nearest recent one (of as many values) plus their difference, added on
 # the GPU: a GPU op's output, normally device memory that no host write touches (MLX's buffer
 # cache may still hand it a freed managed buffer). The differences repeat from step to step (a
