@@ -538,7 +538,8 @@ def _int_params(values: tuple[int, ...]) -> mx.array:
 
 @functools.lru_cache(maxsize=16)
 def _float_params(value: float) -> mx.array:
-    # read by every launch: on CUDA out of the managed memory host-made arrays live in
+    # read by every launch, so on CUDA copied out of the managed memory a host-made array
+    # lives in (veloxquant.kernels.DEVICE_LAUNCH_PARAMS)
     return device_resident(mx.array([value] + [0.0] * 7, mx.float32))
 
 
