@@ -11,7 +11,7 @@ paths. Timings are interleaved over --repeats rounds (median [min, max]); ratios
 
     # GPU (8B shape, bf16)
     python benchmarks/bench_kivi_decode.py --random-weights benchmarks/configs/llama3-8b.json \
-        --dtype bfloat16 --contexts 4096 16384 65536 131072
+        --dtype bfloat16 --contexts 4096 16384 65536 131072 [--no-transient]
     # CPU ratios (the twin on the fused arms)
     python benchmarks/bench_kivi_decode.py --random-weights benchmarks/configs/smollm2-135m.json \
         --dtype float32 --contexts 1024 4096 16384 --tokens 8 --repeats 3
@@ -47,6 +47,12 @@ def fused_copy(caches: list) -> list:
 
 def main() -> None:
     p = decode_arguments(__doc__, contexts=[4096, 16384], repeats=3)
+    p.add_argument(
+        "--no-transient",
+        action="store_true",
+        help="fused arms only (the transient arms' dequantized past does not fit an 80 GB card "
+        "beside the others at 64K on the 8B shape)",
+    )
     args = p.parse_args()
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
@@ -58,7 +64,8 @@ def main() -> None:
         arms = {"fp16": (filled_caches(model, None, ctx), lambda: None)}
         for name, config in CONFIGS.items():
             caches = filled_caches(model, config, ctx, fused=True)
-            arms[f"{name}_transient"] = (caches, lambda: None)
+            if not args.no_transient:
+                arms[f"{name}_transient"] = (caches, lambda: None)
             arms[f"{name}_fused"] = (fused_copy(caches), lambda: None)
         result = interleaved_decode(model, arms, token, args.repeats, args.tokens)
         print(f"context {ctx}: {args.tokens} generated tokens, {args.repeats} interleaved repeats")
