@@ -60,6 +60,8 @@ PARAMS = 16  # int32 slots of iparams
 # together (benchmarks/results/kivi-key-unroll-h100.txt; tests/test_cuda_compile.py keeps the
 # registers it costs within 6 threadgroups per multiprocessor)
 KEY_UNROLL = 64
+# tokens of a thread's value loop unrolled at once, likewise
+VALUE_UNROLL = 32
 # splits each SIMD group of the combine merges per trip, their row loads in flight together
 COMBINE_UNROLL = 4
 # Scores alive at once in one piece of the twin (float32 elements): bounds prefill's peak.
@@ -176,8 +178,24 @@ _EXACT_AT = """
    : static_cast<float>(cur[(kvh * n_new + (t) - n_sink - n_win) * D + (c)]))
 """
 
+# A coded token's share of the values loop: each of the thread's channels, its code times the
+# token's p·s of the channel's group, per query.
+_VALUE_TOKEN = """
+#define VQ_KIVI_VALUE_TOKEN(tt) \\
+  { \\
+    VQ_UNROLL \\
+    for (int j = 0; j < CPT; ++j) { \\
+      const int c = vc0 + j * TILE; /* the same bits of every token's row */ \\
+      const float code = (float)vq_kivi_code(w + (tt) * VW, (uint)(c * VB), VB); \\
+      VQ_UNROLL \\
+      for (int g = 0; g < GQ; ++g) acc[g][j] += s_pw[((tt) * NG + c / G) * GQ + g] * code; \\
+    } \\
+  }
+"""
+
 _PARTIAL_BODY = (
     _EXACT_AT
+    + _VALUE_TOKEN
     + """
   const int n_splits = iparams[2];
   const int split = (int)vq_gx;
@@ -227,6 +245,19 @@ _PARTIAL_BODY = (
   VQ_BARRIER();
 
   for (int tile = t_begin; tile < t_end; ++tile) {
+    // this thread's token's value scales and zero points, asked for first so that they
+    // arrive during the key scores (they wait for nothing)
+    float vscale[NG], vzero[NG];
+    if (!exact) {
+      const int tok = tile * TILE + tid;
+      const bool live = tok < n_blocks * G;
+      const int row = vrow * vstride + (live ? tok : 0);
+      VQ_UNROLL
+      for (int grp = 0; grp < NG; ++grp) {
+        vscale[grp] = live ? static_cast<float>(value_scale[row * NG + grp]) : 0.0f;
+        vzero[grp] = live ? static_cast<float>(value_zero[row * NG + grp]) : 0.0f;
+      }
+    }
     // 1. scores of the tile's tokens, one per thread
     float sc[GQ];
     bool valid;
@@ -320,18 +351,13 @@ _PARTIAL_BODY = (
     // keeps the zero-point sums of its token lane (zacc, merged once at the end), and the
     // channel loop is one multiply-add per code and query.
     if (!exact) {
-      const int tok = tile * TILE + tid;
-      const bool live = tok < n_blocks * G;
-      const int row = vrow * vstride + tok;
       VQ_UNROLL
       for (int grp = 0; grp < NG; ++grp) {
-        const float s = live ? static_cast<float>(value_scale[row * NG + grp]) : 0.0f;
-        const float z = live ? static_cast<float>(value_zero[row * NG + grp]) : 0.0f;
         VQ_UNROLL
         for (int g = 0; g < GQ; ++g) {
           const float p = s_p[g * TILE + tid];
-          s_pw[(tid * NG + grp) * GQ + g] = p * s;
-          zacc[g][grp] = zacc[g][grp] * s_corr[g] + p * z;
+          s_pw[(tid * NG + grp) * GQ + g] = p * vscale[grp];
+          zacc[g][grp] = zacc[g][grp] * s_corr[g] + p * vzero[grp];
         }
       }
       VQ_BARRIER();
@@ -354,14 +380,12 @@ _PARTIAL_BODY = (
     } else {
       const int n_tile = min(TILE, n_blocks * G - tile * TILE);
       const VQ_GLOBAL uint32_t* w = value_codes + (vrow * vstride + tile * TILE) * VW;
-      for (int tt = vtl; tt < n_tile; tt += TL) {
-        VQ_UNROLL
-        for (int j = 0; j < CPT; ++j) {
-          const int c = vc0 + j * TILE;  // the same bits of every token's row
-          const float code = (float)vq_kivi_code(w + tt * VW, (uint)(c * VB), VB);
-          VQ_UNROLL
-          for (int g = 0; g < GQ; ++g) acc[g][j] += s_pw[(tt * NG + c / G) * GQ + g] * code;
-        }
+      if (n_tile == TILE) {
+        // a whole tile: a constant trip count, VUN tokens' code loads in flight at once
+        VQ_UNROLL_BY(VUN)
+        for (int k = 0; k < TILE / TL; ++k) VQ_KIVI_VALUE_TOKEN(vtl + k * TL)
+      } else {
+        for (int tt = vtl; tt < n_tile; tt += TL) VQ_KIVI_VALUE_TOKEN(tt)
       }
     }
     VQ_BARRIER();
@@ -494,11 +518,11 @@ COMBINE_INPUTS = ("part_m", "part_l", "part_o", "heads", "iparams")
 
 
 def partial_kernel_source(lay: Layout) -> KernelSource:
-    return _partial_kernel_source(lay, KEY_UNROLL)
+    return _partial_kernel_source(lay, KEY_UNROLL, VALUE_UNROLL)
 
 
 @functools.lru_cache(maxsize=64)
-def _partial_kernel_source(lay: Layout, key_unroll: int) -> KernelSource:
+def _partial_kernel_source(lay: Layout, key_unroll: int, value_unroll: int) -> KernelSource:
     constants = {
         "TILE": TILE,
         "NEG": NEG,
@@ -510,6 +534,7 @@ def _partial_kernel_source(lay: Layout, key_unroll: int) -> KernelSource:
         "KW": lay.key_words,
         "VW": lay.value_words,
         "KUN": key_unroll,
+        "VUN": value_unroll,
     }
     return KernelSource(
         name="vq_kivi_attn_partial",
