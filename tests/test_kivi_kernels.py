@@ -264,14 +264,54 @@ def test_emulated_kernels_match_the_twin(layout, backend, monkeypatch):
     monkeypatch.setattr(K, "launch", lambda src, *a: launched.append(src.name) or run(src, *a))
     # 2 splits of the store's 4-5 tiles (2-3 tiles each, the last tile short), plus the
     # exact split
-    monkeypatch.setattr(K, "TARGET_GROUPS", 2 * len(spec["head_bits"]))
-    n_blocks = c.n_quantized // c.group_size
-    assert K.split_tiles(n_blocks, c.group_size, len(spec["head_bits"])) >= 2
     assert K.kernels_take(c, q.shape[1])
+    heads = K.launch_heads(c, q.shape[1])
+    monkeypatch.setattr(K, "TARGET_GROUPS", 2 * heads)
+    n_blocks = c.n_quantized // c.group_size
+    assert K.split_tiles(n_blocks, c.group_size, heads) >= 2
     got = np.array(K.decode_attention(c, q, 0.125, pending))
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
     n_layouts = len({tuple(b) for b in spec["head_bits"]})
     assert launched == ["vq_kivi_attn_partial"] * n_layouts + ["vq_kivi_attn_combine"]
+
+
+@pytest.mark.parametrize(
+    "head_bits", [[[2, 2]] * 8, [[2, 4], [4, 2]] * 4, [[2, 2]] * 6 + [[4, 4]] * 2]
+)
+def test_the_largest_partial_launch_is_one_wave(head_bits, monkeypatch):
+    # a tile takes about as long whatever else its multiprocessor runs, so a launch is fastest
+    # as one wave of as many threadgroups as fit (KIVI-2 at 64K on an H100: 116.5 us in 704
+    # threadgroups, 141.6 in 1032, benchmarks/results/kivi-splits-h100.txt); a mixed
+    # allocation's launches each take only their own heads
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    monkeypatch.setattr(vk, "cuda_multiprocessors", lambda: 132)
+    grids = []
+
+    def launch(src, inputs, grid, shapes, dtypes):  # the grids decode_attention asks for
+        grids.append((src.name, grid))
+        return [mx.zeros(sh, dt) for sh, dt in zip(shapes, dtypes, strict=True)]
+
+    monkeypatch.setattr(K, "launch", launch)
+    c = KIVICache(np.array(head_bits), group_size=64, window=0, sinks=0)
+    c.fused = True
+    x = mx.zeros((1, len(head_bits), 1, 128), mx.float16)
+    c.update_and_fetch(x, x)
+    n_q = 4 * len(head_bits)
+    slots = K.GROUPS_PER_MULTIPROCESSOR * 132
+    for n_tok in (65536, 131072):
+        # a pending update over n_tok stored tokens: the launches are stubs, so one row of each
+        # store array stands in for the rest
+        pending = dict(c._pending, n_quantized=n_tok)
+        pending["store"] = {
+            s: {b: {k: mx.zeros((1, len(idx), 1, 1)) for k in ("codes", "scale", "zero")}
+                for b, idx in c.buckets[s]}
+            for s in ("key", "value")
+        }  # fmt: skip
+        grids.clear()
+        K.decode_attention(c, mx.zeros((1, n_q, 1, 128), mx.bfloat16), 0.1, pending)
+        sizes = [gx * gy for name, (gx, gy, _) in grids if name == "vq_kivi_attn_partial"]
+        assert len(sizes) == len({tuple(b) for b in head_bits})
+        assert 0.8 * slots < max(sizes) <= slots + len(head_bits), (n_tok, sizes, slots)
 
 
 @needs_cxx

@@ -48,13 +48,15 @@ NEG = -1.0e30  # finite "minus infinity" (no inf arithmetic in kernels)
 MAX_QUERIES_PER_KV = 8
 MAX_ZERO_SUMS = 32  # registers a thread keeps for Σ p·z (query heads x value groups)
 THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
-# threadgroups to aim for over the store: None is GROUPS_PER_MULTIPROCESSOR on each CUDA
-# multiprocessor (1056 on an H200's 132; a threadgroup is 4 SIMD groups, and a multiprocessor
-# holds 7+ of them at the partial kernel's 69 registers and ~9 KB: more resident SIMD groups
-# hide the code loads' latency), 1056 on Metal; an int overrides it. A first choice, not yet
-# timed on the GPU.
+# threadgroups to aim for per partial launch: None is GROUPS_PER_MULTIPROCESSOR on each CUDA
+# multiprocessor, 1056 on Metal; an int overrides it. A threadgroup's tile is a chain of
+# dependent loads that takes about as long with 2 as with 6 threadgroups on a multiprocessor
+# (benchmarks/results/kivi-splits-h100.txt), so one wave of as many as fit is fastest: 6 at
+# the partial kernel's 80 registers (tests/test_cuda_compile.py keeps them there). A mixed
+# allocation's launches each take only their own heads, so the splits are sized for the
+# largest of them.
 TARGET_GROUPS: int | None = None
-GROUPS_PER_MULTIPROCESSOR = 8
+GROUPS_PER_MULTIPROCESSOR = 6
 PARAMS = 16  # int32 slots of iparams
 # channels of a thread's key-score loop unrolled at once, so that their code loads are in flight
 # together (benchmarks/results/kivi-key-unroll-h100.txt; tests/test_cuda_compile.py keeps the
@@ -618,6 +620,11 @@ def head_table(cache: Any, lay: Layout) -> tuple[mx.array, int]:
     return memo[key]
 
 
+def launch_heads(cache: Any, n_q_heads: int) -> int:
+    """KV heads of the cache's largest partial launch (one launch per layout)."""
+    return max(head_table(cache, lay)[1] for lay in layouts(cache, n_q_heads))
+
+
 def attention_inputs(
     cache: Any,
     queries: mx.array,
@@ -669,7 +676,7 @@ def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict)
     n_q = queries.shape[1]
     gq = n_q // n_kv
     n_blocks = pending["n_quantized"] // cache.group_size
-    per = split_tiles(n_blocks, cache.group_size, n_kv)
+    per = split_tiles(n_blocks, cache.group_size, launch_heads(cache, n_q))
     n_tiles = -(-n_blocks * cache.group_size // TILE)
     n_splits = -(-n_tiles // per)
     parts, tables = [], []
