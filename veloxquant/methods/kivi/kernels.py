@@ -622,7 +622,11 @@ def head_table(cache: Any, lay: Layout) -> tuple[mx.array, int]:
 
 def launch_heads(cache: Any, n_q_heads: int) -> int:
     """KV heads of the cache's largest partial launch (one launch per layout)."""
-    return max(head_table(cache, lay)[1] for lay in layouts(cache, n_q_heads))
+    key = ("launch_heads", n_q_heads, cache.head_dim)
+    memo = _memo(cache)
+    if key not in memo:
+        memo[key] = max(head_table(cache, lay)[1] for lay in layouts(cache, n_q_heads))
+    return memo[key]
 
 
 def attention_inputs(
@@ -694,6 +698,7 @@ def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict)
             )
         )
         tables.append((inputs[1], n_heads))
+        iparams = inputs[-2]  # slot 2, n_splits, the combine reads, is every layout's
     if len(parts) == 1:
         (m, sums, o), heads = parts[0], tables[0][0]
     else:
@@ -706,7 +711,7 @@ def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict)
         o = mx.concatenate([o, mx.zeros((pad, *o.shape[1:]), o.dtype)])
     (out,) = launch(
         combine_kernel_source(d, gq, queries.dtype),
-        [m, sums, o, heads, _int_params((n_blocks, per, n_splits))],
+        [m, sums, o, heads, iparams],
         (n_q, 1, 1),
         [(n_q, d)],
         [queries.dtype],
