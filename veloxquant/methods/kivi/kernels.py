@@ -62,7 +62,8 @@ PARAMS = 16  # int32 slots of iparams
 # together (benchmarks/results/kivi-key-unroll-h100.txt; tests/test_cuda_compile.py keeps the
 # registers it costs within 6 threadgroups per multiprocessor)
 KEY_UNROLL = 64
-# tokens of a thread's value loop unrolled at once, likewise
+# tokens of a whole tile's values loop unrolled at once, likewise (kivi-splits-h100.txt: 32 and
+# 64 alike, both faster than the 16 a bounded loop got)
 VALUE_UNROLL = 32
 # splits each SIMD group of the combine merges per trip, their row loads in flight together
 COMBINE_UNROLL = 4
@@ -573,16 +574,16 @@ def combine_kernel_source(head_dim: int, queries_per_kv: int, out_dtype: mx.Dtyp
 # Launching them
 
 
-def split_tiles(n_blocks: int, group_size: int, n_kv_heads: int, target: int | None = None) -> int:
-    """Tiles of the store per split: enough splits for about `target` threadgroups (default
-    TARGET_GROUPS, read at call time so a benchmark can sweep it; where None,
-    GROUPS_PER_MULTIPROCESSOR per CUDA multiprocessor, 1056 on Metal)."""
+def split_tiles(n_blocks: int, group_size: int, n_heads: int, target: int | None = None) -> int:
+    """Tiles of the store per split: enough splits for about `target` threadgroups over a
+    launch of `n_heads` KV heads (default TARGET_GROUPS, read at call time so a benchmark can
+    sweep it; where None, GROUPS_PER_MULTIPROCESSOR per CUDA multiprocessor, 1056 on Metal)."""
     if target is None:
         target = split_target(TARGET_GROUPS, GROUPS_PER_MULTIPROCESSOR, 1056)
     n_tiles = -(-n_blocks * group_size // TILE)
     if n_tiles == 0:
         return 1
-    splits = max(1, min(n_tiles, -(-target // n_kv_heads)))
+    splits = max(1, min(n_tiles, -(-target // n_heads)))
     return -(-n_tiles // splits)
 
 
