@@ -621,6 +621,18 @@ def head_table(cache: Any, lay: Layout) -> tuple[mx.array, int]:
     return memo[key]
 
 
+def combined_head_table(cache: Any, n_q_heads: int) -> mx.array:
+    """Every layout's head table rows, layout after layout: the combine's for the partial rows
+    of a mixed allocation's launches, made once per cache (it was a concatenation per step)."""
+    key = ("combined_heads", n_q_heads, cache.head_dim)
+    memo = _memo(cache)
+    if key not in memo:
+        tables = [head_table(cache, lay) for lay in layouts(cache, n_q_heads)]
+        rows = mx.concatenate([t[: 4 * n] for t, n in tables])
+        memo[key] = device_resident(rows)  # as head_table's
+    return memo[key]
+
+
 def launch_heads(cache: Any, n_q_heads: int) -> int:
     """KV heads of the cache's largest partial launch (one launch per layout)."""
     key = ("launch_heads", n_q_heads, cache.head_dim)
@@ -684,7 +696,7 @@ def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict)
     per = split_tiles(n_blocks, cache.group_size, launch_heads(cache, n_q))
     n_tiles = -(-n_blocks * cache.group_size // TILE)
     n_splits = -(-n_tiles // per)
-    parts, tables = [], []
+    parts = []
     for lay in layouts(cache, n_q):
         inputs = attention_inputs(cache, queries, scale, pending, lay, n_splits, per)
         n_heads = head_table(cache, lay)[1]
@@ -698,14 +710,12 @@ def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict)
                 [mx.float32] * 3,
             )
         )
-        tables.append((inputs[1], n_heads))
         iparams = inputs[-2]  # slot 2, n_splits, the combine reads, is every layout's
     if len(parts) == 1:
-        (m, sums, o), heads = parts[0], tables[0][0]
+        (m, sums, o), heads = parts[0], inputs[1]
     else:
-        # the combine reads the head table of every partial row, layout after layout
         m, sums, o = (mx.concatenate([p[i] for p in parts], axis=0) for i in range(3))
-        heads = mx.concatenate([t[: 4 * n] for t, n in tables])
+        heads = combined_head_table(cache, n_q)
     if m.size < 8:  # launch inputs hold >= 8 elements; the combine reads rows < n_q only
         pad = -(-8 // m.shape[1]) - m.shape[0]
         m, sums = (mx.concatenate([x, mx.zeros((pad, x.shape[1]), x.dtype)]) for x in (m, sums))
