@@ -710,9 +710,10 @@ def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict)
                 [mx.float32] * 3,
             )
         )
-        iparams = inputs[-2]  # slot 2, n_splits, the combine reads, is every layout's
+        # slot 2 of the launch parameters, n_splits, the combine reads, is every layout's
+        iparams = inputs[PARTIAL_INPUTS.index("iparams")]
     if len(parts) == 1:
-        (m, sums, o), heads = parts[0], inputs[1]
+        (m, sums, o), heads = parts[0], inputs[PARTIAL_INPUTS.index("heads")]
     else:
         m, sums, o = (mx.concatenate([p[i] for p in parts], axis=0) for i in range(3))
         heads = combined_head_table(cache, n_q)
