@@ -36,7 +36,7 @@ from pathlib import Path
 KERNELS = Path(__file__).resolve().parents[1] / "veloxquant/methods/vecinfer/kernels.py"
 
 _VALUE_GATHER = "ve[u][s] = vq_lds(vbook_lane + vq_bits_at(vw, s * VB, VB, VLG), VEWT());"
-_HELPER_ANCHOR = "__device__ inline uint32_t vq_tg_address(const void* p) {"
+_HELPER_ANCHOR = "#define VQ_MMA_HELPERS\n"
 _FAKE_ENTRY = """__device__ inline uint32_t vq_fake_entry(uint32_t x, uint32_t) { return x; }
 __device__ inline uint2 vq_fake_entry(uint32_t x, uint2) { return make_uint2(x, x ^ 1u); }
 """
@@ -79,7 +79,7 @@ ARMS: dict[str, list[tuple[str, str]]] = {
     ],
     "nokgather": [(_KEY_GATHER, "a[2 * hf + r] = kbook_lane + at;")],
     "novgather": [
-        (_HELPER_ANCHOR, _FAKE_ENTRY + _HELPER_ANCHOR),
+        (_HELPER_ANCHOR, _HELPER_ANCHOR + _FAKE_ENTRY),
         (
             _VALUE_GATHER,
             "ve[u][s] = vq_fake_entry(vbook_lane + vq_bits_at(vw, s * VB, VB, VLG), VEWT());",

@@ -205,6 +205,11 @@ inline void vq_mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (
   vq_emu.warps[w]->arrive_and_wait();
 }
 inline uint32_t vq_and_opaque(uint32_t x, uint32_t m) { return x & m; }
+inline float vq_round_half(float x) { return (float)vq_half(x); }
+inline uint32_t vq_codes_half2(uint32_t x, uint32_t y, uint32_t sel, uint32_t mask) {
+  const uint32_t p = __byte_perm(x, y, sel) & mask;
+  return vq_pack_half2((float)(p & 0xffffu), (float)(p >> 16));
+}
 inline float vq_ex2(float x) {
   const float y = std::exp2(x);
   return y < 0x1p-126f ? 0.0f : y;

@@ -108,6 +108,77 @@ __device__ inline float vq_shfl_xor(float x, int mask) {
 #endif
 """
 
+# Tensor-core helpers of CUDA-only kernels (`KernelSource.helpers`): mma.sync and friends as
+# inline PTX. The kernel emulator (tests/kernel_emulator.py) defines VQ_WARP_MMA and its own
+# versions, by the PTX fragment layouts.
+TENSOR_CORE_HELPERS = r"""
+#ifndef VQ_TENSOR_CORE_HELPERS
+#define VQ_TENSOR_CORE_HELPERS
+#ifndef VQ_WARP_MMA
+// c += A B: A 16x16 (row-major), B 16x8 (column-major) f16, c f32, as mma.sync fragments
+__device__ inline void vq_mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// the transpose of an 8x8 f16 matrix held as fragments (lane L: row L / 4, cols 2 (L % 4) + {0, 1})
+__device__ inline uint32_t vq_movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+// two floats as f16 (round to nearest), lo in the low half
+__device__ inline uint32_t vq_pack_half2(float lo, float hi) {
+  return (uint32_t)__half_as_ushort(__float2half_rn(lo)) |
+         ((uint32_t)__half_as_ushort(__float2half_rn(hi)) << 16);
+}
+// x & m, opaque to the compiler's front end: it would otherwise rewrite (x & m) >> k as
+// (x >> k) & (m >> k), and the shift could no longer fold into the address add
+__device__ inline uint32_t vq_and_opaque(uint32_t x, uint32_t m) {
+  uint32_t y;
+  asm("and.b32 %0, %1, %2;\n" : "=r"(y) : "r"(x), "r"(m));
+  return y;
+}
+// a 32- or 64-bit word of threadgroup memory at the shared-window address `at`: addresses
+// kept as 32-bit integers fold an add into the address arithmetic (a pointer into threadgroup
+// memory carries the window base as a separate add)
+__device__ inline uint32_t vq_lds(uint32_t at, uint32_t) {
+  uint32_t y;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(y) : "r"(at) : "memory");
+  return y;
+}
+__device__ inline uint2 vq_lds(uint32_t at, uint2) {
+  uint2 y;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(y.x), "=r"(y.y) : "r"(at) : "memory");
+  return y;
+}
+// 2^x by the SFU alone (relative error 2^-22, flushing results below 2^-126 to zero): exp2f's
+// guard for those costs five more instructions, for weights that become f16 MMA operands
+__device__ inline float vq_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ inline uint32_t vq_tg_address(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+// x rounded to f16 and back: x - vq_round_half(x) is what an f16 copy of x leaves out
+__device__ inline float vq_round_half(float x) { return __half2float(__float2half_rn(x)); }
+// two small codes as an f16 pair: the halves of x and y that `sel` picks (PRMT: 0x5410 the
+// low halves, 0x7632 the high ones) masked to their codes (`mask` in each half), ORed into
+// 1024's f16 pattern (1024 + code, exact) and 1024 subtracted
+__device__ inline uint32_t vq_codes_half2(uint32_t x, uint32_t y, uint32_t sel, uint32_t mask) {
+  const uint32_t h = (__byte_perm(x, y, sel) & mask) | 0x64006400u;
+  uint32_t r;
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(h), "r"(0x64006400u));
+  return r;
+}
+#endif
+#endif
+"""
+
 METAL_PRELUDE = r"""
 #ifndef VQ_PRELUDE
 #define VQ_PRELUDE
