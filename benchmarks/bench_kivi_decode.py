@@ -7,7 +7,9 @@ and resident bytes, with the packed store attended three ways:
 Arms: fp16 `KVCache`; uniform KIVI-2 (G 64, the RateQuant runtime's group); a mixed
 allocation at b̄ = 3 (RateQuant's uniform reference: keys and values each an interleaved 2/4-bit
 split over the heads, so every layer launches two partial kernels). Each KIVI arm on both
-paths. Timings are interleaved over --repeats rounds (median [min, max]); ratios are per round.
+paths, and with --cuda-cores each fused arm again with its coded tiles on the CUDA cores
+(`kernels.MMA = False`; the tensor cores are the default). Timings are interleaved over
+--repeats rounds (median [min, max]); ratios are per round.
 
     # GPU (8B shape, bf16)
     python benchmarks/bench_kivi_decode.py --random-weights benchmarks/configs/llama3-8b.json \
@@ -25,6 +27,7 @@ import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
 from veloxquant import KVCacheConfig, attention
+from veloxquant.methods.kivi import kernels as K
 from _common import random_weights_model
 from bench_generate import decode_arguments, interleaved_decode, print_decode
 from bench_vecinfer import filled_caches
@@ -48,6 +51,11 @@ def fused_copy(caches: list) -> list:
 def main() -> None:
     p = decode_arguments(__doc__, contexts=[4096, 16384], repeats=3)
     p.add_argument(
+        "--cuda-cores",
+        action="store_true",
+        help="also each fused arm with its coded tiles on the CUDA cores (kernels.MMA False)",
+    )
+    p.add_argument(
         "--no-transient",
         action="store_true",
         help="fused arms only (the transient arms' dequantized past does not fit an 80 GB card "
@@ -66,7 +74,9 @@ def main() -> None:
             caches = filled_caches(model, config, ctx, fused=True)
             if not args.no_transient:
                 arms[f"{name}_transient"] = (caches, lambda: None)
-            arms[f"{name}_fused"] = (fused_copy(caches), lambda: None)
+            arms[f"{name}_fused"] = (fused_copy(caches), lambda: setattr(K, "MMA", True))
+            if args.cuda_cores:
+                arms[f"{name}_fused_cc"] = (fused_copy(caches), lambda: setattr(K, "MMA", False))
         result = interleaved_decode(model, arms, token, args.repeats, args.tokens)
         print(f"context {ctx}: {args.tokens} generated tokens, {args.repeats} interleaved repeats")
         print_decode(result)

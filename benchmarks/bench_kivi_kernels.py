@@ -2,7 +2,8 @@
 
 Per layer (Llama-3-8B shape: 32 query heads, 8 KV heads, D = 128, bf16 queries; G 64, 4 sinks,
 the default window): the partial + combine kernels (`kernels.decode_attention`) at KIVI-2 and
-at a mixed 2/4-bit allocation, the transient path's dequantize + SDPA, and
+at a mixed 2/4-bit allocation (the coded tiles on the tensor cores, `kernels.MMA`, and with
+--cuda-cores also on the CUDA cores), the transient path's dequantize + SDPA, and
 `mx.fast.scaled_dot_product_attention` on bf16 K/V of the same length. Each timed eval runs
 `--layers` independent calls rotating over `--sets` distinct caches, so that the codes do not
 sit in L2 between calls; repeats are interleaved over the arms; median [min, max] per call.
@@ -73,11 +74,12 @@ def bench_context(args, n_tok: int) -> dict:
     ]
     mx.eval(qs, kv)
 
-    def fused(name: str, groups: int | None = K.TARGET_GROUPS):
+    def fused(name: str, groups: int | None = K.TARGET_GROUPS, mma: bool = K.MMA):
         cs = caches[name]
 
         def run():
             K.TARGET_GROUPS = groups
+            K.MMA = mma
             mx.eval(
                 [
                     K.decode_attention(cs[i % args.sets], qs[i], scale, cs[i % args.sets]._pending)
@@ -112,15 +114,17 @@ def bench_context(args, n_tok: int) -> dict:
         )
 
     arms = {"sdpa_bf16": sdpa}
-    default_groups = K.TARGET_GROUPS
+    default_groups, default_mma = K.TARGET_GROUPS, K.MMA
     for name in LAYOUTS:
         arms[f"{name}_fused"] = fused(name)
+        if args.cuda_cores:
+            arms[f"{name}_fused_cc"] = fused(name, mma=False)
         for groups in args.target_groups:  # the split count's target, swept
             arms[f"{name}_fused_g{groups}"] = fused(name, groups)
         if args.transient:
             arms[f"{name}_transient"] = transient(name)
     times = time_arms(arms, args.repeats)
-    K.TARGET_GROUPS = default_groups
+    K.TARGET_GROUPS, K.MMA = default_groups, default_mma
     row = {
         "context": total,
         "per_layer_s": {k: [t / layers for t in v] for k, v in times.items()},
@@ -145,6 +149,9 @@ def main() -> None:
     p.add_argument("--sets", type=int, default=4, help="distinct caches rotated over")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--transient", action="store_true", help="also time dequantize + SDPA")
+    p.add_argument(
+        "--cuda-cores", action="store_true", help="also the CUDA cores' kernel (K.MMA False)"
+    )
     p.add_argument(
         "--target-groups", type=int, nargs="*", default=[], help="also these TARGET_GROUPS"
     )

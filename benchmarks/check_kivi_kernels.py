@@ -6,7 +6,9 @@ an emulator (tests/test_kivi_kernels.py); this is the check on the real compiler
    SmolLM2's shape, widths crossing 32-bit words, D 256, G 16): the kernels' output against
    `reference_attention` on the same pending update, max |difference| / max |output|, at a
    short context (no store yet), a few splits and a long one, against TOLERANCE (layouts
-   the backend's threadgroup memory cannot hold are skipped, as the cache would);
+   the backend's threadgroup memory cannot hold are skipped, as the cache would); on CUDA
+   with the coded tiles on the tensor cores (`kernels.MMA`, where they take the layout) and
+   on the CUDA cores;
 2. a random-weight model (`--random-weights`, default SmolLM2's shape), bfloat16: 64 greedy
    tokens after a 300-token prompt with KIVI-2 and a mixed 2/4-bit allocation, fused against
    transient (the transient path's tokens feed both), tokens agreeing and the largest logit
@@ -76,12 +78,19 @@ def check_layers(dtype: mx.Dtype, contexts=(3, 5000, 70000)) -> list[str]:
             c, q = layer_case(head_bits, d, g, gq, n_tok, dtype)
             pending = c._pending
             want = K.reference_attention(c, q.astype(mx.float32), 0.1, None, pending)
-            got = K.decode_attention(c, q, 0.1, pending).astype(mx.float32)
-            err = mx.abs(got - want).max().item() / mx.abs(want).max().item()
-            line = f"D {d} G {g} x{gq} bits {bits} tokens {n_tok:6d}: {err:.2e}"
-            print(f"  {line}")
-            if not err <= tol:  # NaN fails too
-                failures.append(line)
+            for mma in (True, False) if backend() == "cuda" else (False,):
+                K.MMA = mma
+                cores = [K.use_mma(K.Layout(d, g, kb, vb, gq)) for kb, vb in bits]
+                got = K.decode_attention(c, q, 0.1, pending).astype(mx.float32)
+                err = mx.abs(got - want).max().item() / mx.abs(want).max().item()
+                on = ", ".join("tensor" if t else "CUDA" for t in cores)
+                line = f"D {d} G {g} x{gq} bits {bits} tokens {n_tok:6d} ({on} cores): {err:.2e}"
+                print(f"  {line}")
+                if not err <= tol:  # NaN fails too
+                    failures.append(line)
+                if not any(cores):
+                    break
+            K.MMA = True
     return failures
 
 

@@ -83,15 +83,17 @@ def report(mma: bool, work: Path) -> None:
             print(f"    {start:#07x}-{end:#07x}: {n:5d}  {kinds}")
 
 
-def report_kivi(work: Path, key_bits: int, value_bits: int) -> None:
-    """KIVI's partial kernel: every loop (the score loop walks 4 channels a trip, the value loop
-    16 tokens, with remainder loops after them)."""
+def report_kivi(work: Path, key_bits: int, value_bits: int, mma: bool) -> None:
+    """KIVI's partial kernel: every loop (on the CUDA cores the score loop walks 4 channels a
+    trip, the value loop 16 tokens, with remainder loops after them; on the tensor cores the
+    tile loop is one span)."""
     lay = KIVI.Layout(D, 64, key_bits, value_bits, G)
     ins = ["bfloat16", "int32", "uint32", "float16", "float16", "uint32", "float16"]
     ins += ["float16"] * 5 + ["bfloat16", "bfloat16", "int32", "float32"]
-    tu = KIVI.partial_kernel_source(lay).cuda_translation_unit(ins, ["float32"] * 3)
-    used, sass = compile_and_read(tu, work, f"kivi{key_bits}{value_bits}")
-    print(f"KIVI partial, {lay}")
+    source = KIVI.partial_kernel_source(lay, mma)
+    tu = source.cuda_translation_unit(ins, ["float32"] * 3)
+    used, sass = compile_and_read(tu, work, f"kivi{key_bits}{value_bits}{int(mma)}")
+    print(f"KIVI partial, {lay}, {'tensor' if mma else 'CUDA'} cores")
     print(f"  {used}")
     print("  loops: all, then FFMA HMMA LDS LDG MUFU SHFL BAR")
     for start, end, ops in loops(sass):
@@ -106,7 +108,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.kivi:
             for kb, vb in ((2, 2), (4, 2), (3, 5)):
-                report_kivi(Path(tmp), kb, vb)
+                takes = KIVI.mma_takes(KIVI.Layout(D, 64, kb, vb, G)) is None
+                for mma in (False, True) if takes else (False,):
+                    report_kivi(Path(tmp), kb, vb, mma)
             return
         for mma in (False, True):
             report(mma, Path(tmp))

@@ -205,6 +205,25 @@ inline void vq_mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (
   vq_emu.warps[w]->arrive_and_wait();
 }
 inline uint32_t vq_and_opaque(uint32_t x, uint32_t m) { return x & m; }
+// cp.async: a thread's copies land only when it waits for their group (so that a kernel that
+// reads a buffer before waiting reads what was there before)
+struct vq_emu_copy {
+  void* dst;
+  const void* src;
+};
+inline thread_local std::vector<std::vector<vq_emu_copy>> vq_emu_groups(1);
+inline void vq_cp_async16(void* dst, const void* src) {
+  vq_emu_groups.back().push_back({dst, src});
+}
+inline void vq_cp_async_commit() { vq_emu_groups.emplace_back(); }
+template <int N>
+inline void vq_cp_async_wait() {
+  // the committed groups are all but the last (open) one; all but the newest N of them land
+  while ((int)vq_emu_groups.size() - 1 > N) {
+    for (const vq_emu_copy& c : vq_emu_groups.front()) std::memcpy(c.dst, c.src, 16);
+    vq_emu_groups.erase(vq_emu_groups.begin());
+  }
+}
 inline float vq_round_half(float x) { return (float)vq_half(x); }
 inline uint32_t vq_codes_half2(uint32_t x, uint32_t y, uint32_t sel, uint32_t mask) {
   const uint32_t p = __byte_perm(x, y, sel) & mask;

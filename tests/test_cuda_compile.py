@@ -88,11 +88,16 @@ def test_the_tensor_core_kernel_keeps_its_launch_bounds(arch):
     assert done.registers <= 65536 // (K.TILE * K.MMA_MIN_THREADGROUPS)
 
 
-@pytest.mark.parametrize("d,group_size,bits,gq", [(64, 32, (2, 2), 3), (128, 16, (3, 6), 2)])
+@pytest.mark.parametrize(
+    "d,group_size,bits,gq",
+    [(64, 32, (2, 2), 3), (128, 16, (3, 6), 2), (128, 64, (4, 2), 4), (64, 64, (2, 4), 8)],
+)
 def test_kivi_cuda_sources_compile_under_nvrtc(d, group_size, bits, gq):
     lay = KIVI.Layout(d, group_size, *bits, gq)
     ins = [F16, I32, U32, F16, F16, U32, F16] + [F16] * 7 + [I32, F32]
     _compiles(KIVI.partial_kernel_source(lay), ins, [F32] * 3)
+    if KIVI.mma_takes(lay) is None:  # the tensor cores' kernel too
+        _compiles(KIVI.partial_kernel_source(lay, True), ins, [F32] * 3)
     _compiles(KIVI.combine_kernel_source(d, gq, mx.bfloat16), [F32, F32, F32, I32, I32], [BF16])
 
 
@@ -107,6 +112,21 @@ def test_kivi_partial_keeps_six_threadgroups_per_multiprocessor():
     done = _compiles(KIVI.partial_kernel_source(lay), ins, [F32] * 3)
     assert done.registers is not None and done.registers <= 65536 // (KIVI.TILE * 6)
     assert 65536 // (KIVI.TILE * done.registers) >= KIVI.GROUPS_PER_MULTIPROCESSOR == 6
+
+
+def test_kivi_tensor_core_splits_are_sized_for_its_registers():
+    # the splits of a cache with a tensor-core launch aim for one wave of
+    # MMA_GROUPS_PER_MULTIPROCESSOR threadgroups per multiprocessor: as many as its registers
+    # allow on sm_90 (H100, H200), and no fewer. No launch bounds: asked for 4 threadgroups,
+    # ptxas spilled 60-240 bytes where it needs no spill at 102-106 registers left alone. (On
+    # sm_80 it takes 134-140 registers, 3 threadgroups: an A100 would run 1.3 waves; not run.)
+    lay = KIVI.Layout(128, 64, 2, 2, 4)
+    ins = [BF16, I32, U32, F16, F16, U32, F16] + [F16] * 7 + [I32, F32]
+    done = _compiles(KIVI.partial_kernel_source(lay, True), ins, [F32] * 3)
+    assert done.spill_bytes == 0
+    assert done.registers is not None
+    fit = 65536 // (KIVI.TILE * (-(-done.registers // 8) * 8))  # registers go 8 at a time
+    assert fit == KIVI.MMA_GROUPS_PER_MULTIPROCESSOR, (done.registers, fit)
 
 
 def test_nvrtc_refuses_what_only_a_cuda_compiler_sees():

@@ -231,6 +231,8 @@ LAYOUTS = {
     "d32-g32-k8v8-q1": dict(head_bits=[[8, 8]], d=32, group_size=32, gq=1),
     # 8 query heads per KV head (the most the kernel takes)
     "d64-g64-k2v2-q8": dict(head_bits=[[2, 2]], d=64, group_size=64, gq=8),
+    # KIVI-4 at the 8B shape: the tensor cores' kernel holds one tile's codes, not two
+    "d128-g64-k4v4-q4": dict(head_bits=[[4, 4]], d=128, group_size=64, gq=4),
 }
 
 
@@ -250,10 +252,13 @@ def _decode_case(rng, head_bits, d, group_size, gq, n_tok, window=32, sinks=4):
 
 
 @needs_cxx
-@pytest.mark.parametrize("backend", ["cuda", "metal"])
+@pytest.mark.parametrize("backend,mma", [("cuda", True), ("cuda", False), ("metal", True)])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_emulated_kernels_match_the_twin(layout, backend, monkeypatch):
+def test_emulated_kernels_match_the_twin(layout, backend, mma, monkeypatch):
+    # CUDA: the tensor cores where they take the layout (K.MMA), else the CUDA cores; Metal
+    # always the CUDA cores' kernel
     spec = LAYOUTS[layout]
+    monkeypatch.setattr(K, "MMA", mma)
     rng = np.random.default_rng(3)
     c, q = _decode_case(rng, n_tok=600, **spec)
     pending = c._pending
@@ -271,20 +276,45 @@ def test_emulated_kernels_match_the_twin(layout, backend, monkeypatch):
     assert K.split_tiles(n_blocks, c.group_size, heads) >= 2
     got = np.array(K.decode_attention(c, q, 0.125, pending))
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
-    n_layouts = len({tuple(b) for b in spec["head_bits"]})
-    assert launched == ["vq_kivi_attn_partial"] * n_layouts + ["vq_kivi_attn_combine"]
+    lays = K.layouts(c, q.shape[1])
+    tensor = [mma and backend == "cuda" and K.mma_takes(lay) is None for lay in lays]
+    partial = ["vq_kivi_attn_partial" + ("_mma" if t else "") for t in tensor]
+    assert launched == partial + ["vq_kivi_attn_combine"]
+
+
+def test_the_tensor_cores_take_the_2_and_4_bit_layouts():
+    takes = {}
+    for name, spec in LAYOUTS.items():
+        pairs = sorted({tuple(b) for b in spec["head_bits"]})
+        lays = [K.Layout(spec["d"], spec["group_size"], *p, spec["gq"]) for p in pairs]
+        takes[name] = [K.mma_takes(lay) is None and K.mma_stages(lay) for lay in lays]
+    # the tensor cores' stages of code rows (2: the next tile's copied in during this one), or
+    # False: the CUDA cores
+    assert takes == {
+        "d64-g32-k2v2-q3": [2],
+        "d64-g32-mixed-q3": [2, False],  # 2/4 bits, then 3/1
+        "d128-g64-k4v2-q4": [2],
+        "d256-g32-k5v7-q2": [False, False],
+        "d128-g16-k3v6-q2": [False],
+        "d32-g32-k8v8-q1": [False],
+        "d64-g64-k2v2-q8": [2],
+        "d128-g64-k4v4-q4": [1],
+    }
 
 
 @pytest.mark.parametrize(
     "head_bits", [[[2, 2]] * 8, [[2, 4], [4, 2]] * 4, [[2, 2]] * 6 + [[4, 4]] * 2]
 )
-def test_the_largest_partial_launch_is_one_wave(head_bits, monkeypatch):
+@pytest.mark.parametrize("mma", [True, False])
+def test_the_largest_partial_launch_is_one_wave(head_bits, mma, monkeypatch):
     # a tile takes about as long whatever else its multiprocessor runs, so a launch is fastest
     # as one wave of as many threadgroups as fit (KIVI-2 at 64K on an H100: 116.5 us in 704
     # threadgroups, 141.6 in 1032, benchmarks/results/kivi-splits-h100.txt); a mixed
     # allocation's launches each take only their own heads
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
     monkeypatch.setattr(vk, "cuda_multiprocessors", lambda: 132)
+    monkeypatch.setattr(K, "MMA", mma)
     grids = []
 
     def launch(src, inputs, grid, shapes, dtypes):  # the grids decode_attention asks for
@@ -297,7 +327,8 @@ def test_the_largest_partial_launch_is_one_wave(head_bits, monkeypatch):
     x = mx.zeros((1, len(head_bits), 1, 128), mx.float16)
     c.update_and_fetch(x, x)
     n_q = 4 * len(head_bits)
-    slots = K.GROUPS_PER_MULTIPROCESSOR * 132
+    # the tensor cores' kernel holds fewer threadgroups per multiprocessor
+    slots = (K.MMA_GROUPS_PER_MULTIPROCESSOR if mma else K.GROUPS_PER_MULTIPROCESSOR) * 132
     for n_tok in (65536, 131072):
         # a pending update over n_tok stored tokens: the launches are stubs, so one row of each
         # store array stands in for the rest
@@ -309,7 +340,8 @@ def test_the_largest_partial_launch_is_one_wave(head_bits, monkeypatch):
         }  # fmt: skip
         grids.clear()
         K.decode_attention(c, mx.zeros((1, n_q, 1, 128), mx.bfloat16), 0.1, pending)
-        sizes = [gx * gy for name, (gx, gy, _) in grids if name == "vq_kivi_attn_partial"]
+        partial = "vq_kivi_attn_partial" + ("_mma" if mma else "")
+        sizes = [gx * gy for name, (gx, gy, _) in grids if name == partial]
         assert len(sizes) == len({tuple(b) for b in head_bits})
         assert 0.8 * slots < max(sizes) <= slots + len(head_bits), (n_tok, sizes, slots)
 
@@ -435,8 +467,9 @@ def test_threadgroup_bytes_are_those_of_the_generated_source():
         lay = K.Layout(spec["d"], spec["group_size"], kb, vb, spec["gq"])
         ins = ["float32", "int32", "uint32", "float16", "float16", "uint32", "float16"]
         ins += ["float16"] * 7 + ["int32", "float32"]
-        lib = emu.build(K.partial_kernel_source(lay), "cuda", ins, ["float32"] * 3)
-        assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay)
+        for mma in (False, True) if K.mma_takes(lay) is None else (False,):
+            lib = emu.build(K.partial_kernel_source(lay, mma), "cuda", ins, ["float32"] * 3)
+            assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay, mma), (lay, mma)
 
 
 # ------------------------------------------------------------------ 3. contract

@@ -164,6 +164,23 @@ __device__ inline float vq_ex2(float x) {
 __device__ inline uint32_t vq_tg_address(const void* p) {
   return (uint32_t)__cvta_generic_to_shared(p);
 }
+// 16 bytes from global to threadgroup memory without a register (cp.async, sm_80+), in the
+// thread's current group of copies; `vq_cp_async_commit` closes the group, and
+// `vq_cp_async_wait<N>` waits until at most N of the thread's latest groups are in flight (each
+// thread waits for its own copies: a barrier after the wait shows them to the others)
+__device__ inline void vq_cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+               :
+               : "r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+__device__ inline void vq_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ inline void vq_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" : : "n"(N) : "memory");
+}
 // x rounded to f16 and back: x - vq_round_half(x) is what an f16 copy of x leaves out
 __device__ inline float vq_round_half(float x) { return __half2float(__float2half_rn(x)); }
 // two small codes as an f16 pair: the halves of x and y that `sel` picks (PRMT: 0x5410 the

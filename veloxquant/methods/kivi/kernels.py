@@ -14,6 +14,10 @@ Two launches per layer and decode step (`decode_attention`), flash-decoding styl
    for the values); split S attends the exact tokens: the fp16 sinks, the fp16 window and the
    call's own token(s). Each writes its running max m (log2 units), its sum l and its
    unnormalised output o.
+   On CUDA the coded tiles of 2- and 4-bit layouts go to the tensor cores (`MMA`,
+   `mma_takes`): the codes become exact f16 operands and q·s and p·s are each split into two
+   f16 parts, so the sums keep float32's precision; the CUDA cores' kernel serves the rest
+   and Metal.
 2. `combine`: one threadgroup per query head merges the S + 1 partials (o = Σ 2^(m_s - M)·o_s
    / Σ 2^(m_s - M)·l_s) and writes the head's output in the model's dtype.
 
@@ -35,6 +39,7 @@ import mlx.core as mx
 
 from veloxquant import attention
 from veloxquant.kernels import (
+    TENSOR_CORE_HELPERS,
     KernelSource,
     backend,
     device_resident,
@@ -65,6 +70,12 @@ KEY_UNROLL = 64
 # tokens of a whole tile's values loop unrolled at once, likewise (kivi-splits-h100.txt: 32 and
 # 64 alike, both faster than the 16 a bounded loop got)
 VALUE_UNROLL = 32
+# The coded tiles on the tensor cores (`_MMA_PARTIAL_BODY`, CUDA only, the layouts `mma_takes`);
+# False keeps them on the CUDA cores, as Metal always does.
+MMA = True
+# the tensor-core kernel's registers (106 under NVRTC for sm_90a) allow 4 threadgroups per
+# multiprocessor; the splits of a cache with any tensor-core launch are sized for them
+MMA_GROUPS_PER_MULTIPROCESSOR = 4
 # splits each SIMD group of the combine merges per trip, their row loads in flight together
 COMBINE_UNROLL = 4
 # Scores alive at once in one piece of the twin (float32 elements): bounds prefill's peak.
@@ -93,14 +104,29 @@ class Layout:
         return -(-self.head_dim * self.value_bits // 32)
 
 
-def threadgroup_bytes(lay: Layout) -> int:
+def threadgroup_bytes(lay: Layout, mma: bool = False) -> int:
     """Threadgroup memory of the partial kernel: the scaled queries, the per-block query
     scales and biases, the tile's scores, its tokens' value-scale weights and the softmax
-    state."""
+    state; on the tensor cores also `mma_stages` tiles' code rows."""
     d, gq, blocks = lay.head_dim, lay.queries_per_kv, TILE // lay.group_size
     groups = d // lay.group_size
     floats = gq * d + blocks * gq * d + blocks * gq + gq * TILE + TILE * groups * gq + 3 * gq
-    return 4 * floats
+    codes = mma_stages(lay) * _tile_code_bytes(lay) if mma else 0
+    return 4 * floats + codes
+
+
+def _tile_code_bytes(lay: Layout) -> int:
+    """A tile's code rows, and their f16 scales and zero points (keys' per block)."""
+    blocks, groups = TILE // lay.group_size, lay.head_dim // lay.group_size
+    codes = TILE * (lay.head_dim * lay.key_bits // 8 + 4 * lay.value_words)
+    return codes + 2 * 2 * (blocks * lay.head_dim + TILE * groups)
+
+
+def mma_stages(lay: Layout) -> int:
+    """Tiles of code rows the tensor-core kernel holds: 2 (the next tile's copied in during
+    this one) where CUDA's 48 KB of threadgroup memory takes them, else 1."""
+    two = threadgroup_bytes(lay) + 2 * _tile_code_bytes(lay)
+    return 2 if two <= THREADGROUP_LIMIT["cuda"] else 1
 
 
 def unsupported(lay: Layout, which: str = "cuda") -> str | None:
@@ -196,9 +222,12 @@ _VALUE_TOKEN = """
   }
 """
 
-_PARTIAL_BODY = (
+# The partial kernel, written once for two ways of attending the coded tiles (the exact
+# split's tokens take the CUDA cores either way): `_PARTIAL_BODY` on the CUDA cores, one token
+# (scores) or one channel (values) per thread; `_MMA_PARTIAL_BODY` on the tensor cores (CUDA
+# only, `mma_takes`). The @@NAME@@ lines are where they differ.
+_PARTIAL_TEMPLATE = (
     _EXACT_AT
-    + _VALUE_TOKEN
     + """
   const int n_splits = iparams[2];
   const int split = (int)vq_gx;
@@ -215,13 +244,12 @@ _PARTIAL_BODY = (
   constexpr int CPT = D > TILE ? D / TILE : 1;  // channels per thread of the value phase
   constexpr int NG = D / G;  // value groups per token
   VQ_SHARED float s_q[GQ * D];
-  VQ_SHARED float s_qs[BPT * GQ * D];
   VQ_SHARED float s_bias[BPT * GQ];
   VQ_SHARED float s_p[GQ * TILE];
-  VQ_SHARED float s_pw[TILE * NG * GQ];
   VQ_SHARED float s_m[GQ];
   VQ_SHARED float s_l[GQ];
   VQ_SHARED float s_corr[GQ];
+@@CODED_ARRAYS@@
 
   for (int i = tid; i < GQ * D; i += TILE)
     s_q[i] = static_cast<float>(queries[kvh * GQ * D + i]) * fparams[0];
@@ -238,6 +266,7 @@ _PARTIAL_BODY = (
     VQ_UNROLL
     for (int grp = 0; grp < NG; ++grp) zacc[g][grp] = 0.0f;
   }
+@@CODED_ACC@@
   const int vc0 = D < TILE ? tid % D : tid;  // this thread's first value channel
   const int vtl = D < TILE ? tid / D : 0;  // its token lane
   const int n_exact = n_sink + n_win + n_new;
@@ -245,72 +274,19 @@ _PARTIAL_BODY = (
   const int t_begin = exact ? 0 : split * tiles_per_split;
   const int t_end =
       exact ? (n_exact + TILE - 1) / TILE : min(t_begin + tiles_per_split, n_tiles_all);
+@@CODED_PROLOGUE@@
   VQ_BARRIER();
 
   for (int tile = t_begin; tile < t_end; ++tile) {
-    // this thread's token's value scales and zero points, asked for first so that they
-    // arrive during the key scores (they wait for nothing)
-    float vscale[NG], vzero[NG];
+@@CODED_TILE_TOP@@
+@@VALUE_SCALES@@
+    // 1. scores of the tile's tokens into s_p
     if (!exact) {
-      const int tok = tile * TILE + tid;
-      const bool live = tok < n_blocks * G;
-      const int row = vrow * vstride + (live ? tok : 0);
-      VQ_UNROLL
-      for (int grp = 0; grp < NG; ++grp) {
-        vscale[grp] = live ? static_cast<float>(value_scale[row * NG + grp]) : 0.0f;
-        vzero[grp] = live ? static_cast<float>(value_zero[row * NG + grp]) : 0.0f;
-      }
-    }
-    // 1. scores of the tile's tokens, one per thread
-    float sc[GQ];
-    bool valid;
-    if (!exact) {
-      for (int i = tid; i < BPT * GQ * D; i += TILE) {
-        const int blk = tile * BPT + i / (GQ * D), c = i % D;
-        const int at = (krow * kstride + blk) * D + c;
-        const float s = blk < n_blocks ? static_cast<float>(key_scale[at]) : 0.0f;
-        s_qs[i] = s_q[(i / D) % GQ * D + c] * s;
-      }
-      for (int pair = (int)vq_warp; pair < BPT * GQ; pair += NW) {
-        const int blk = tile * BPT + pair / GQ, g = pair % GQ;
-        float z = 0.0f;
-        if (blk < n_blocks)
-          for (int c = (int)vq_lane; c < D; c += 32)
-            z += s_q[g * D + c] * static_cast<float>(key_zero[(krow * kstride + blk) * D + c]);
-        z = vq_simd_sum(z);
-        if (vq_lane == 0) s_bias[pair] = z;
-      }
-      VQ_BARRIER();
-      const int b = tid / G, u = tid % G, blk = tile * BPT + b;
-      valid = blk < n_blocks;
-      VQ_UNROLL
-      for (int g = 0; g < GQ; ++g) sc[g] = valid ? s_bias[b * GQ + g] : NEG;
-      if (valid) {
-        // channel c's codes are G·KB bits from the block row's bit c·G·KB on: when that is
-        // whole words, this token's code of every channel sits at the same shift, one word
-        // stride apart
-        const VQ_GLOBAL uint32_t* w = key_codes + (krow * kstride + blk) * KW;
-        if ((G * KB) % 32 == 0) {
-          const VQ_GLOBAL uint32_t* wu = w + (u * KB >> 5);
-          const uint sh = (uint)(u * KB) & 31u;
-          VQ_UNROLL_BY(KUN)
-          for (int c = 0; c < D; ++c) {
-            const float code = (float)vq_kivi_bits(wu + c * (G * KB / 32), sh, KB);
-            VQ_UNROLL
-            for (int g = 0; g < GQ; ++g) sc[g] += s_qs[(b * GQ + g) * D + c] * code;
-          }
-        } else {
-          VQ_UNROLL_BY(KUN)
-          for (int c = 0; c < D; ++c) {
-            const float code = (float)vq_kivi_code(w, (uint)((c * G + u) * KB), KB);
-            VQ_UNROLL
-            for (int g = 0; g < GQ; ++g) sc[g] += s_qs[(b * GQ + g) * D + c] * code;
-          }
-        }
-      }
+@@CODED_SCORES@@
     } else {
       const int t = tile * TILE + tid;
-      valid = t < n_exact;
+      const bool valid = t < n_exact;
+      float sc[GQ];
       VQ_UNROLL
       for (int g = 0; g < GQ; ++g) sc[g] = valid ? 0.0f : NEG;
       if (valid) {
@@ -320,9 +296,9 @@ _PARTIAL_BODY = (
           for (int g = 0; g < GQ; ++g) sc[g] += s_q[g * D + c] * k;
         }
       }
+      VQ_UNROLL
+      for (int g = 0; g < GQ; ++g) s_p[g * TILE + tid] = sc[g];
     }
-    VQ_UNROLL
-    for (int g = 0; g < GQ; ++g) s_p[g * TILE + tid] = sc[g];
     VQ_BARRIER();
 
     // 2. online softmax, one SIMD group per query
@@ -350,19 +326,11 @@ _PARTIAL_BODY = (
     VQ_BARRIER();
 
     // 3. values. A coded token's value is code·s + z per group of G channels, so the sum
-    // is Σ (p·s)·code + Σ p·z: one thread per token weighs its group scales by p (s_pw) and
-    // keeps the zero-point sums of its token lane (zacc, merged once at the end), and the
-    // channel loop is one multiply-add per code and query.
+    // is Σ (p·s)·code + Σ p·z: one thread per token weighs its group scales by p and keeps
+    // the zero-point sums of its token lane (zacc, merged once at the end), and the codes
+    // meet only the weights p·s.
     if (!exact) {
-      VQ_UNROLL
-      for (int grp = 0; grp < NG; ++grp) {
-        VQ_UNROLL
-        for (int g = 0; g < GQ; ++g) {
-          const float p = s_p[g * TILE + tid];
-          s_pw[(tid * NG + grp) * GQ + g] = p * vscale[grp];
-          zacc[g][grp] = zacc[g][grp] * s_corr[g] + p * vzero[grp];
-        }
-      }
+@@CODED_WEIGHTS@@
       VQ_BARRIER();
     }
     VQ_UNROLL
@@ -381,27 +349,20 @@ _PARTIAL_BODY = (
         }
       }
     } else {
-      const int n_tile = min(TILE, n_blocks * G - tile * TILE);
-      const VQ_GLOBAL uint32_t* w = value_codes + (vrow * vstride + tile * TILE) * VW;
-      if (n_tile == TILE) {
-        // a whole tile: a constant trip count, VUN tokens' code loads in flight at once
-        VQ_UNROLL_BY(VUN)
-        for (int k = 0; k < TILE / TL; ++k) VQ_KIVI_VALUE_TOKEN(vtl + k * TL)
-      } else {
-        for (int tt = vtl; tt < n_tile; tt += TL) VQ_KIVI_VALUE_TOKEN(tt)
-      }
+@@CODED_VALUES@@
     }
     VQ_BARRIER();
   }
+@@CODED_EPILOGUE@@
 
   // the zero-point sums of every token lane, per (query, group), into the channels' sums
-  // (s_pw is free now)
+  // (s_p is free now)
   VQ_UNROLL
   for (int g = 0; g < GQ; ++g)
     VQ_UNROLL
     for (int grp = 0; grp < NG; ++grp) {
       const float z = vq_simd_sum(zacc[g][grp]);
-      if (vq_lane == 0) s_pw[(int)vq_warp * GQ * NG + g * NG + grp] = z;
+      if (vq_lane == 0) s_p[(int)vq_warp * GQ * NG + g * NG + grp] = z;
     }
   VQ_BARRIER();
   VQ_UNROLL
@@ -410,21 +371,22 @@ _PARTIAL_BODY = (
     for (int j = 0; j < CPT; ++j) {
       const int grp = (vc0 + j * TILE) / G;
       float z = 0.0f;
-      for (int w = 0; w < NW; ++w) z += s_pw[w * GQ * NG + g * NG + grp];
+      for (int w = 0; w < NW; ++w) z += s_p[w * GQ * NG + g * NG + grp];
       // the token lanes each add their share below: only lane 0 adds the zero points
       if (vtl == 0) acc[g][j] += z;
     }
 
-  // the token lanes' sums (s_qs is free now: TL <= BPT since G divides D)
+  // the token lanes' sums (s_p again: TL·GQ·D = GQ·TILE floats)
   const int n_part = n_splits + 1;
   if (TL > 1) {
+    VQ_BARRIER();
     VQ_UNROLL
-    for (int g = 0; g < GQ; ++g) s_qs[(vtl * GQ + g) * D + vc0] = acc[g][0];
+    for (int g = 0; g < GQ; ++g) s_p[(vtl * GQ + g) * D + vc0] = acc[g][0];
     VQ_BARRIER();
     if (vtl == 0) {
       VQ_UNROLL
       for (int g = 0; g < GQ; ++g)
-        for (int k = 1; k < TL; ++k) acc[g][0] += s_qs[(k * GQ + g) * D + vc0];
+        for (int k = 1; k < TL; ++k) acc[g][0] += s_p[(k * GQ + g) * D + vc0];
     }
   }
   if (vtl == 0) {
@@ -441,6 +403,404 @@ _PARTIAL_BODY = (
   }
 """
 )
+
+# The CUDA cores: a thread scores a token (one multiply-add per code and query, the query
+# scaled per key block) and sums a channel's values (one per code and query).
+_SCALAR_PIECES = {
+    "CODED_ARRAYS": """
+  VQ_SHARED float s_qs[BPT * GQ * D];
+  VQ_SHARED float s_pw[TILE * NG * GQ];""",
+    "CODED_ACC": "",
+    "CODED_SCORES": """
+      for (int i = tid; i < BPT * GQ * D; i += TILE) {
+        const int blk = tile * BPT + i / (GQ * D), c = i % D;
+        const int at = (krow * kstride + blk) * D + c;
+        const float s = blk < n_blocks ? static_cast<float>(key_scale[at]) : 0.0f;
+        s_qs[i] = s_q[(i / D) % GQ * D + c] * s;
+      }
+@@KEY_BIAS@@
+      VQ_BARRIER();
+      const int b = tid / G, u = tid % G, blk = tile * BPT + b;
+      const bool valid = blk < n_blocks;
+      float sc[GQ];
+      VQ_UNROLL
+      for (int g = 0; g < GQ; ++g) sc[g] = valid ? s_bias[b * GQ + g] : NEG;
+      if (valid) {
+        // channel c's codes are G·KB bits from the block row's bit c·G·KB on: when that is
+        // whole words, this token's code of every channel sits at the same shift, one word
+        // stride apart
+        const VQ_GLOBAL uint32_t* w = key_codes + (krow * kstride + blk) * KW;
+        if ((G * KB) % 32 == 0) {
+          const VQ_GLOBAL uint32_t* wu = w + (u * KB >> 5);
+          const uint sh = (uint)(u * KB) & 31u;
+          VQ_UNROLL_BY(KUN)
+          for (int c = 0; c < D; ++c) {
+            const float code = (float)vq_kivi_bits(wu + c * (G * KB / 32), sh, KB);
+            VQ_UNROLL
+            for (int g = 0; g < GQ; ++g) sc[g] += s_qs[(b * GQ + g) * D + c] * code;
+          }
+        } else {
+          VQ_UNROLL_BY(KUN)
+          for (int c = 0; c < D; ++c) {
+            const float code = (float)vq_kivi_code(w, (uint)((c * G + u) * KB), KB);
+            VQ_UNROLL
+            for (int g = 0; g < GQ; ++g) sc[g] += s_qs[(b * GQ + g) * D + c] * code;
+          }
+        }
+      }
+      VQ_UNROLL
+      for (int g = 0; g < GQ; ++g) s_p[g * TILE + tid] = sc[g];""",
+    "CODED_WEIGHTS": """
+      VQ_UNROLL
+      for (int grp = 0; grp < NG; ++grp) {
+        VQ_UNROLL
+        for (int g = 0; g < GQ; ++g) {
+          const float p = s_p[g * TILE + tid];
+          s_pw[(tid * NG + grp) * GQ + g] = p * vscale[grp];
+          zacc[g][grp] = zacc[g][grp] * s_corr[g] + p * vzero[grp];
+        }
+      }""",
+    "CODED_VALUES": """
+      const int n_tile = min(TILE, n_blocks * G - tile * TILE);
+      const VQ_GLOBAL uint32_t* w = value_codes + (vrow * vstride + tile * TILE) * VW;
+      if (n_tile == TILE) {
+        // a whole tile: a constant trip count, VUN tokens' code loads in flight at once
+        VQ_UNROLL_BY(VUN)
+        for (int k = 0; k < TILE / TL; ++k) VQ_KIVI_VALUE_TOKEN(vtl + k * TL)
+      } else {
+        for (int tt = vtl; tt < n_tile; tt += TL) VQ_KIVI_VALUE_TOKEN(tt)
+      }""",
+    "CODED_EPILOGUE": "",
+    "CODED_PROLOGUE": "",
+    "CODED_TILE_TOP": "",
+    "VALUE_SCALES": """
+    // this thread's token's value scales and zero points, asked for first so that they
+    // arrive during the key scores (they wait for nothing)
+    float vscale[NG], vzero[NG];
+    if (!exact) {
+      const int tok = tile * TILE + tid;
+      const bool live = tok < n_blocks * G;
+      const int row = vrow * vstride + (live ? tok : 0);
+      VQ_UNROLL
+      for (int grp = 0; grp < NG; ++grp) {
+        vscale[grp] = live ? static_cast<float>(value_scale[row * NG + grp]) : 0.0f;
+        vzero[grp] = live ? static_cast<float>(value_zero[row * NG + grp]) : 0.0f;
+      }
+    }""",
+}
+
+# The bias of each (key block, query) of the tile: Σ_c q_c·z[blk, c], one SIMD group per pair.
+_KEY_BIAS = """
+      for (int pair = (int)vq_warp; pair < BPT * GQ; pair += NW) {
+        const int blk = tile * BPT + pair / GQ, g = pair % GQ;
+        float z = 0.0f;
+        if (blk < n_blocks)
+          for (int c = (int)vq_lane; c < D; c += 32)
+            z += s_q[g * D + c] * static_cast<float>(key_zero[(krow * kstride + blk) * D + c]);
+        z = vq_simd_sum(z);
+        if (vq_lane == 0) s_bias[pair] = z;
+      }"""
+
+# The tensor cores (mma m16n8k16, f16 operands, f32 sums). SIMD group w takes the tile's
+# tokens 32w .. 32w + 31, which lie in one key block (G >= 32):
+# - scores S[token][query] = Σ_c code[token][c]·qs[c][query]: A = the codes (rows: two M-tiles
+#   of 16 tokens; columns: 16 channels a step, lane L's four the channels 4 (L % 4) + {0..3}
+#   of the step, as A's columns 2 (L % 4) + {0, 1, 8, 9}: any order works when B's agrees),
+#   B = the per-block qs (rows: those channels, columns: queries);
+# - values O[c][query] += Σ_t code[t][c]·pw[t][query] per value group: A = the codes
+#   transposed (rows: 16 channels, columns: 16 tokens a step), B = p·s.
+# A code is exact in f16 (the 0x6400 trick: 1024 + code, then 1024 off), and B is split into
+# its f16 high and low parts, two MMAs per A, so the sums are float32's to ~2^-22 of each
+# operand, as on the CUDA cores.
+# Lane L = 4 r + q4 holds A's rows r and r + 8: with KB = 2 one word of a channel's codes holds
+# 16 consecutive tokens, token r at bit 2r and r + 8 at 2r + 16, so one shift serves both
+# rows (PRMT 0x5410 takes the low halves, 0x7632 the high); with 4 bits, r + 8 is in the next
+# word at the same shift. Values' rows are channels, laid out likewise along a token's row.
+_MMA_PIECES = {
+    "CODED_ARRAYS": """
+  // qs of the tile's key blocks, [block][query][4 channels]: f16 high parts (x, y), low (z, w)
+  VQ_SHARED uint4 s_qh[BPT * GQ * D / 4];
+  // p·s, [value group][query][2 tokens]: f16 high parts (x), low parts (y)
+  VQ_SHARED uint2 s_pwh[NG * GQ * TILE / 2];
+  const int mr = (int)vq_lane >> 2, mq = (int)vq_lane & 3;  // A's rows mr, mr + 8; B's column mr
+  const int mn = mr < GQ ? mr : GQ - 1;  // B's column's query (columns >= GQ are never read)
+  const int mt0 = 32 * (int)vq_warp;  // the SIMD group's first token of a tile
+  constexpr uint32_t KMASK = ((1u << KB) - 1u) * 0x00010001u;
+  constexpr uint32_t VMASK = ((1u << VB) - 1u) * 0x00010001u;
+  // the code rows of STAGES tiles (a tile's BPT key blocks, its TILE value rows), copied in
+  // (cp.async) a tile ahead when STAGES is 2, so that the MMAs wait on no load from memory
+  constexpr int KC4 = TILE * D * KB / 128, VC4 = TILE * VW / 4;  // uint4s of a tile's codes
+  VQ_SHARED uint4 s_kc[STAGES * KC4];
+  VQ_SHARED uint4 s_vc[STAGES * VC4];
+  // and their scales and zero points: the key blocks' (BPT * D each), the value rows' (TILE *
+  // NG each), in the store's own dtype (2 bytes)
+  static_assert(sizeof(key_scale[0]) == 2 && sizeof(value_scale[0]) == 2, "f16 scales");
+  constexpr int KS4 = BPT * D / 8, VS4 = TILE * NG / 8;  // uint4s of each
+  static_assert(KS4 <= TILE && VS4 <= TILE, "one copy of each part a thread");
+  VQ_SHARED uint4 s_sz[STAGES * 2 * (KS4 + VS4)];
+  // element i of part 0..3 (key scale, key zero, value scale, value zero) of stage st, typed as
+  // the store's
+#define VQ_STAGED(st, part, arr, i) \
+  reinterpret_cast<decltype(arr)>(&s_sz[(st) * 2 * (KS4 + VS4) + (part) * KS4 + \
+                                        ((part) > 2 ? VS4 - KS4 : 0)])[i]
+  // tile t's rows into stage st, 16 bytes a copy; a store's last tile may end early, and its
+  // rows past the end are neither copied nor read
+  auto stage_codes = [&](int t, int st) {
+    const int nb = min(BPT, n_blocks - t * BPT);
+    const VQ_GLOBAL uint4* kg =
+        reinterpret_cast<const VQ_GLOBAL uint4*>(key_codes + (krow * kstride + t * BPT) * KW);
+    for (int i = tid; i < nb * KW / 4; i += TILE) vq_cp_async16(&s_kc[st * KC4 + i], kg + i);
+    const VQ_GLOBAL uint4* vg =
+        reinterpret_cast<const VQ_GLOBAL uint4*>(value_codes + (vrow * vstride + t * TILE) * VW);
+    for (int i = tid; i < nb * G * VW / 4; i += TILE) vq_cp_async16(&s_vc[st * VC4 + i], vg + i);
+    VQ_TG uint4* sz = &s_sz[st * 2 * (KS4 + VS4)];
+    const int kat = (krow * kstride + t * BPT) * D, vat = (vrow * vstride + t * TILE) * NG;
+    if (tid < nb * D / 8) {  // KS4 <= TILE: one copy of each a thread
+      vq_cp_async16(&sz[tid], reinterpret_cast<const VQ_GLOBAL uint4*>(key_scale + kat) + tid);
+      vq_cp_async16(&sz[KS4 + tid], reinterpret_cast<const VQ_GLOBAL uint4*>(key_zero + kat) + tid);
+    }
+    if (tid < nb * G * NG / 8) {  // VS4 <= TILE likewise
+      VQ_TG uint4* v = &sz[2 * KS4];
+      const VQ_GLOBAL uint4* vs = reinterpret_cast<const VQ_GLOBAL uint4*>(value_scale + vat);
+      const VQ_GLOBAL uint4* vz = reinterpret_cast<const VQ_GLOBAL uint4*>(value_zero + vat);
+      vq_cp_async16(&v[tid], vs + tid);
+      vq_cp_async16(&v[VS4 + tid], vz + tid);
+    }
+    vq_cp_async_commit();
+  };""",
+    "VALUE_SCALES": "",
+    "CODED_PROLOGUE": """
+  if (!exact && STAGES == 2 && t_begin < t_end) stage_codes(t_begin, 0);""",
+    "CODED_TILE_TOP": """
+    const int st = STAGES == 2 ? (tile - t_begin) & 1 : 0;  // this tile's stage
+    if (!exact) {  // the copies this tile waits for go out first (stage st ^ 1 was read last tile)
+      if (STAGES == 1) stage_codes(tile, 0);
+      else if (tile + 1 < t_end) stage_codes(tile + 1, st ^ 1);
+    }""",
+    "CODED_ACC": """
+  float cf[D / 16][4];  // O's C fragments: rows channels 16m + mr (+8), columns queries 2mq (+1)
+  VQ_UNROLL
+  for (int m = 0; m < D / 16; ++m)
+    VQ_UNROLL
+    for (int e = 0; e < 4; ++e) cf[m][e] = 0.0f;""",
+    "CODED_SCORES": """
+      // this tile's stage: each thread waits for its own copies, the barrier shows them to all
+      if (STAGES == 2 && tile + 1 < t_end)
+        vq_cp_async_wait<1>();
+      else
+        vq_cp_async_wait<0>();
+      VQ_BARRIER();
+      for (int i = tid; i < BPT * GQ * D / 4; i += TILE) {
+        const int blk = tile * BPT + i / (GQ * D / 4), g = (i / (D / 4)) % GQ;
+        const int c = 4 * (i % (D / 4));
+        const int at = (blk - tile * BPT) * D + c;
+        float x[4];
+        VQ_UNROLL
+        for (int k = 0; k < 4; ++k)
+          x[k] = blk < n_blocks
+                     ? s_q[g * D + c + k] * static_cast<float>(VQ_STAGED(st, 0, key_scale, at + k))
+                     : 0.0f;
+        uint4 h;
+        h.x = vq_pack_half2(x[0], x[1]);
+        h.y = vq_pack_half2(x[2], x[3]);
+        h.z = vq_pack_half2(x[0] - vq_round_half(x[0]), x[1] - vq_round_half(x[1]));
+        h.w = vq_pack_half2(x[2] - vq_round_half(x[2]), x[3] - vq_round_half(x[3]));
+        s_qh[i] = h;
+      }
+      for (int pair = (int)vq_warp; pair < BPT * GQ; pair += NW) {  // as _KEY_BIAS
+        const int b = pair / GQ, g = pair % GQ;
+        float z = 0.0f;
+        if (tile * BPT + b < n_blocks)
+          for (int c = (int)vq_lane; c < D; c += 32)
+            z += s_q[g * D + c] * static_cast<float>(VQ_STAGED(st, 1, key_zero, b * D + c));
+        z = vq_simd_sum(z);
+        if (vq_lane == 0) s_bias[pair] = z;
+      }
+      VQ_BARRIER();
+      const int b = mt0 / G, blk = tile * BPT + b;
+      float sc[2][4];
+      VQ_UNROLL
+      for (int mt = 0; mt < 2; ++mt)
+        VQ_UNROLL
+        for (int e = 0; e < 4; ++e) sc[mt][e] = 0.0f;
+      if (blk < n_blocks) {  // the same for the whole SIMD group
+        // channel c's codes: G·KB / 32 words; the SIMD group's 32 tokens are KB of them
+        const uint32_t* w =
+            reinterpret_cast<const uint32_t*>(&s_kc[st * KC4]) + b * KW + (mt0 % G) * KB / 32;
+        VQ_UNROLL
+        for (int ks = 0; ks < D / 16; ++ks) {
+          const uint4 bq = s_qh[(b * GQ + mn) * (D / 4) + 4 * ks + mq];
+          const uint32_t bh[2] = {bq.x, bq.y}, bl[2] = {bq.z, bq.w};
+          uint32_t cw[4][KB];
+          VQ_UNROLL
+          for (int k = 0; k < 4; ++k)
+            vq_kivi_words(cw[k], w + (16 * ks + 4 * mq + k) * (G * KB / 32));
+          VQ_UNROLL
+          for (int mt = 0; mt < 2; ++mt) {
+            uint32_t a[4];
+            if (KB == 2) {
+              uint32_t x[4];
+              VQ_UNROLL
+              for (int k = 0; k < 4; ++k) x[k] = cw[k][mt] >> (2 * mr);
+              a[0] = vq_codes_half2(x[0], x[1], 0x5410u, KMASK);
+              a[1] = vq_codes_half2(x[0], x[1], 0x7632u, KMASK);
+              a[2] = vq_codes_half2(x[2], x[3], 0x5410u, KMASK);
+              a[3] = vq_codes_half2(x[2], x[3], 0x7632u, KMASK);
+            } else {
+              uint32_t y[4], z[4];
+              VQ_UNROLL
+              for (int k = 0; k < 4; ++k) {
+                y[k] = cw[k][(2 * mt) % KB] >> (4 * mr);
+                z[k] = cw[k][(2 * mt + 1) % KB] >> (4 * mr);
+              }
+              a[0] = vq_codes_half2(y[0], y[1], 0x5410u, KMASK);
+              a[1] = vq_codes_half2(z[0], z[1], 0x5410u, KMASK);
+              a[2] = vq_codes_half2(y[2], y[3], 0x5410u, KMASK);
+              a[3] = vq_codes_half2(z[2], z[3], 0x5410u, KMASK);
+            }
+            vq_mma_16816(sc[mt], a, bh);
+            vq_mma_16816(sc[mt], a, bl);
+          }
+        }
+      }
+      VQ_UNROLL
+      for (int mt = 0; mt < 2; ++mt)
+        VQ_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int t = mt0 + 16 * mt + mr + 8 * (e >> 1), g = 2 * mq + (e & 1);
+          if (g < GQ) s_p[g * TILE + t] = blk < n_blocks ? s_bias[b * GQ + g] + sc[mt][e] : NEG;
+        }""",
+    "CODED_WEIGHTS": """
+      const bool live = tile * TILE + tid < n_blocks * G;
+      VQ_UNROLL
+      for (int grp = 0; grp < NG; ++grp) {
+        const int at = tid * NG + grp;
+        const float vscale = live ? static_cast<float>(VQ_STAGED(st, 2, value_scale, at)) : 0.0f;
+        const float vzero = live ? static_cast<float>(VQ_STAGED(st, 3, value_zero, at)) : 0.0f;
+        VQ_UNROLL
+        for (int g = 0; g < GQ; ++g) {
+          const float p = s_p[g * TILE + tid];
+          const float x = p * vscale;
+          const float y = vq_shfl_xor(x, 1);  // the next token's (this one is even)
+          if ((tid & 1) == 0) {
+            uint2 h;
+            h.x = vq_pack_half2(x, y);
+            h.y = vq_pack_half2(x - vq_round_half(x), y - vq_round_half(y));
+            s_pwh[(grp * GQ + g) * (TILE / 2) + tid / 2] = h;
+          }
+          zacc[g][grp] = zacc[g][grp] * s_corr[g] + p * vzero;
+        }
+      }""",
+    "CODED_VALUES": """
+      VQ_UNROLL
+      for (int m = 0; m < D / 16; ++m)
+        VQ_UNROLL
+        for (int e = 0; e < 4; ++e) cf[m][e] *= s_corr[min(2 * mq + (e & 1), GQ - 1)];
+      if (tile * BPT + mt0 / G < n_blocks) {  // the same for the whole SIMD group
+        VQ_UNROLL
+        for (int ks = 0; ks < 2; ++ks) {
+          // A's columns 2 mq + {0, 1} are tokens tk + {0, 1}, columns 2 mq + {8, 9} tk + {8, 9}
+          const int tk = mt0 + 16 * ks + 2 * mq;
+          const uint4* rows[4];
+          VQ_UNROLL
+          for (int j = 0; j < 4; ++j)
+            rows[j] = &s_vc[st * VC4 + (tk + (j & 1) + 8 * (j >> 1)) * VW / 4];
+          VQ_UNROLL
+          for (int ch = 0; ch < VW / 4; ++ch) {  // 128 bits of each row: 8 / VB M-tiles
+            uint32_t v[4][4];
+            VQ_UNROLL
+            for (int j = 0; j < 4; ++j) {
+              const uint4 x = rows[j][ch];
+              v[j][0] = x.x;
+              v[j][1] = x.y;
+              v[j][2] = x.z;
+              v[j][3] = x.w;
+            }
+            VQ_UNROLL
+            for (int mm = 0; mm < 8 / VB; ++mm) {
+              const int m = ch * (8 / VB) + mm, grp = 16 * m / G;
+              const uint2 p0 = s_pwh[(grp * GQ + mn) * (TILE / 2) + tk / 2];
+              const uint2 p1 = s_pwh[(grp * GQ + mn) * (TILE / 2) + tk / 2 + 4];
+              const uint32_t bh[2] = {p0.x, p1.x}, bl[2] = {p0.y, p1.y};
+              uint32_t a[4];
+              if (VB == 2) {
+                uint32_t x[4];
+                VQ_UNROLL
+                for (int j = 0; j < 4; ++j) x[j] = v[j][mm] >> (2 * mr);
+                a[0] = vq_codes_half2(x[0], x[1], 0x5410u, VMASK);
+                a[1] = vq_codes_half2(x[0], x[1], 0x7632u, VMASK);
+                a[2] = vq_codes_half2(x[2], x[3], 0x5410u, VMASK);
+                a[3] = vq_codes_half2(x[2], x[3], 0x7632u, VMASK);
+              } else {
+                uint32_t y[4], z[4];
+                VQ_UNROLL
+                for (int j = 0; j < 4; ++j) {
+                  y[j] = v[j][(2 * mm) % 4] >> (4 * mr);
+                  z[j] = v[j][(2 * mm + 1) % 4] >> (4 * mr);
+                }
+                a[0] = vq_codes_half2(y[0], y[1], 0x5410u, VMASK);
+                a[1] = vq_codes_half2(z[0], z[1], 0x5410u, VMASK);
+                a[2] = vq_codes_half2(y[2], y[3], 0x5410u, VMASK);
+                a[3] = vq_codes_half2(z[2], z[3], 0x5410u, VMASK);
+              }
+              vq_mma_16816(cf[m], a, bh);
+              vq_mma_16816(cf[m], a, bl);
+            }
+          }
+        }
+      }""",
+    "CODED_EPILOGUE": """
+  if (!exact) {
+    // the SIMD groups' fragments summed in order into s_q (free now), then each thread takes
+    // its channel's sums as the CUDA cores would hold them
+    for (int w = 0; w < NW; ++w) {
+      if ((int)vq_warp == w) {
+        VQ_UNROLL
+        for (int m = 0; m < D / 16; ++m)
+          VQ_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int c = 16 * m + mr + 8 * (e >> 1), g = 2 * mq + (e & 1);
+            if (g < GQ) s_q[g * D + c] = (w > 0 ? s_q[g * D + c] : 0.0f) + cf[m][e];
+          }
+      }
+      VQ_BARRIER();
+    }
+    VQ_UNROLL
+    for (int g = 0; g < GQ; ++g) acc[g][0] = vtl == 0 ? s_q[g * D + vc0] : 0.0f;
+  }""",
+}
+
+_MMA_HELPERS = r"""
+#ifndef VQ_KIVI_MMA_HELPERS
+#define VQ_KIVI_MMA_HELPERS
+// N consecutive words of codes in threadgroup memory (N = 2 or 4: 8 or 16 bytes, aligned)
+VQ_FN void vq_kivi_words(uint32_t (&out)[2], const uint32_t* p) {
+  const uint2 x = *reinterpret_cast<const uint2*>(p);
+  out[0] = x.x;
+  out[1] = x.y;
+}
+VQ_FN void vq_kivi_words(uint32_t (&out)[4], const uint32_t* p) {
+  const uint4 x = *reinterpret_cast<const uint4*>(p);
+  out[0] = x.x;
+  out[1] = x.y;
+  out[2] = x.z;
+  out[3] = x.w;
+}
+#endif
+"""
+
+
+def _partial_body(pieces: dict[str, str]) -> str:
+    body = _PARTIAL_TEMPLATE
+    for name, text in pieces.items():
+        text = text.lstrip("\n").replace("@@KEY_BIAS@@", _KEY_BIAS.lstrip("\n"))
+        body = body.replace(f"@@{name}@@", text)
+    assert "@@" not in body
+    return body
+
+
+_PARTIAL_BODY = _VALUE_TOKEN + _partial_body(_SCALAR_PIECES)
+_MMA_PARTIAL_BODY = _partial_body(_MMA_PIECES)
 
 PARTIAL_INPUTS = (
     "queries",
@@ -520,12 +880,34 @@ _COMBINE_BODY = """
 COMBINE_INPUTS = ("part_m", "part_l", "part_o", "heads", "iparams")
 
 
-def partial_kernel_source(lay: Layout) -> KernelSource:
-    return _partial_kernel_source(lay, KEY_UNROLL, VALUE_UNROLL)
+def mma_takes(lay: Layout) -> str | None:
+    """Why the tensor-core partial kernel does not take a layout (None when it does): it
+    reads 2- and 4-bit codes only (a word's tokens or channels then line up with mma's
+    fragment rows), 32 tokens of a key block per SIMD group, and channels in M-tiles of 16."""
+    if lay.key_bits not in (2, 4) or lay.value_bits not in (2, 4):
+        return f"{lay.key_bits}/{lay.value_bits} bits (the tensor cores take 2 and 4)"
+    if lay.group_size < 32:
+        return f"group_size {lay.group_size} (the tensor cores take 32 or more)"
+    if lay.head_dim not in (64, 128):
+        return f"head_dim {lay.head_dim} (the tensor cores take 64 and 128)"
+    return None
+
+
+def use_mma(lay: Layout) -> bool:
+    """Whether this process's partial launch for `lay` takes the tensor cores."""
+    return MMA and backend() == "cuda" and mma_takes(lay) is None
+
+
+def partial_kernel_source(lay: Layout, mma: bool = False) -> KernelSource:
+    return _partial_kernel_source(lay, KEY_UNROLL, VALUE_UNROLL, mma)
 
 
 @functools.lru_cache(maxsize=64)
-def _partial_kernel_source(lay: Layout, key_unroll: int, value_unroll: int) -> KernelSource:
+def _partial_kernel_source(
+    lay: Layout, key_unroll: int, value_unroll: int, mma: bool = False
+) -> KernelSource:
+    if mma:
+        assert mma_takes(lay) is None, mma_takes(lay)
     constants = {
         "TILE": TILE,
         "NEG": NEG,
@@ -539,6 +921,18 @@ def _partial_kernel_source(lay: Layout, key_unroll: int, value_unroll: int) -> K
         "KUN": key_unroll,
         "VUN": value_unroll,
     }
+    if mma:
+        constants["STAGES"] = mma_stages(lay)
+        return KernelSource(
+            name="vq_kivi_attn_partial_mma",
+            inputs=PARTIAL_INPUTS,
+            outputs=("part_m", "part_l", "part_o"),
+            body=_MMA_PARTIAL_BODY,
+            constants=constants,
+            threads=TILE,
+            helpers=TENSOR_CORE_HELPERS + _HELPERS + _MMA_HELPERS,
+            backends=("cuda",),
+        )
     return KernelSource(
         name="vq_kivi_attn_partial",
         inputs=PARTIAL_INPUTS,
@@ -574,12 +968,20 @@ def combine_kernel_source(head_dim: int, queries_per_kv: int, out_dtype: mx.Dtyp
 # Launching them
 
 
-def split_tiles(n_blocks: int, group_size: int, n_heads: int, target: int | None = None) -> int:
+def split_tiles(
+    n_blocks: int,
+    group_size: int,
+    n_heads: int,
+    target: int | None = None,
+    per_multiprocessor: int | None = None,
+) -> int:
     """Tiles of the store per split: enough splits for about `target` threadgroups over a
     launch of `n_heads` KV heads (default TARGET_GROUPS, read at call time so a benchmark can
-    sweep it; where None, GROUPS_PER_MULTIPROCESSOR per CUDA multiprocessor, 1056 on Metal)."""
+    sweep it; where None, `per_multiprocessor` (default GROUPS_PER_MULTIPROCESSOR) per CUDA
+    multiprocessor, 1056 on Metal)."""
     if target is None:
-        target = split_target(TARGET_GROUPS, GROUPS_PER_MULTIPROCESSOR, 1056)
+        per = per_multiprocessor or GROUPS_PER_MULTIPROCESSOR
+        target = split_target(TARGET_GROUPS, per, 1056)
     n_tiles = -(-n_blocks * group_size // TILE)
     if n_tiles == 0:
         return 1
@@ -693,17 +1095,21 @@ def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict)
     n_q = queries.shape[1]
     gq = n_q // n_kv
     n_blocks = pending["n_quantized"] // cache.group_size
-    per = split_tiles(n_blocks, cache.group_size, launch_heads(cache, n_q))
+    lays = layouts(cache, n_q)
+    tensor = [use_mma(lay) for lay in lays]
+    # every launch takes the same splits (the combine reads one count)
+    fit = MMA_GROUPS_PER_MULTIPROCESSOR if any(tensor) else GROUPS_PER_MULTIPROCESSOR
+    per = split_tiles(n_blocks, cache.group_size, launch_heads(cache, n_q), per_multiprocessor=fit)
     n_tiles = -(-n_blocks * cache.group_size // TILE)
     n_splits = -(-n_tiles // per)
     parts = []
-    for lay in layouts(cache, n_q):
+    for lay, mma in zip(lays, tensor, strict=True):
         inputs = attention_inputs(cache, queries, scale, pending, lay, n_splits, per)
         n_heads = head_table(cache, lay)[1]
         rows = n_heads * gq
         parts.append(
             launch(
-                partial_kernel_source(lay),
+                partial_kernel_source(lay, mma),
                 inputs,
                 (n_splits + 1, n_heads, 1),
                 [(rows, n_splits + 1), (rows, n_splits + 1), (rows, n_splits + 1, d)],
