@@ -259,6 +259,7 @@ def test_emulated_kernels_match_the_twin(layout, backend, mma, monkeypatch):
     # always the CUDA cores' kernel
     spec = LAYOUTS[layout]
     monkeypatch.setattr(K, "MMA", mma)
+    monkeypatch.setattr(K, "MMA_BITS", (2, 4))  # every width the tensor cores' kernel reads
     rng = np.random.default_rng(3)
     c, q = _decode_case(rng, n_tok=600, **spec)
     pending = c._pending
@@ -277,7 +278,8 @@ def test_emulated_kernels_match_the_twin(layout, backend, mma, monkeypatch):
     got = np.array(K.decode_attention(c, q, 0.125, pending))
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
     lays = K.layouts(c, q.shape[1])
-    tensor = [mma and backend == "cuda" and K.mma_takes(lay) is None for lay in lays]
+    tensor = [K.use_mma(lay) for lay in lays]
+    assert any(tensor) == (mma and backend == "cuda" and K.mma_takes(lays[0]) is None)
     partial = ["vq_kivi_attn_partial" + ("_mma" if t else "") for t in tensor]
     assert launched == partial + ["vq_kivi_attn_combine"]
 
@@ -289,7 +291,7 @@ def test_the_tensor_cores_take_the_2_and_4_bit_layouts():
         lays = [K.Layout(spec["d"], spec["group_size"], *p, spec["gq"]) for p in pairs]
         takes[name] = [K.mma_takes(lay) is None and K.mma_stages(lay) for lay in lays]
     # the tensor cores' stages of code rows (2: the next tile's copied in during this one), or
-    # False: the CUDA cores
+    # False: the CUDA cores' kernel only
     assert takes == {
         "d64-g32-k2v2-q3": [2],
         "d64-g32-mixed-q3": [2, False],  # 2/4 bits, then 3/1
@@ -300,6 +302,15 @@ def test_the_tensor_cores_take_the_2_and_4_bit_layouts():
         "d64-g64-k2v2-q8": [2],
         "d128-g64-k4v4-q4": [1],
     }
+
+
+def test_by_default_only_2_bit_layouts_take_the_tensor_cores(monkeypatch):
+    # a 4-bit side was slower on the tensor cores than on the CUDA cores (K.MMA_BITS)
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    taken = {b: K.use_mma(K.Layout(128, 64, *b, 4)) for b in [(2, 2), (2, 4), (4, 2), (4, 4)]}
+    assert taken == {(2, 2): True, (2, 4): False, (4, 2): False, (4, 4): False}
+    monkeypatch.setattr(K, "MMA", False)
+    assert not K.use_mma(K.Layout(128, 64, 2, 2, 4))
 
 
 @pytest.mark.parametrize(
@@ -327,8 +338,10 @@ def test_the_largest_partial_launch_is_one_wave(head_bits, mma, monkeypatch):
     x = mx.zeros((1, len(head_bits), 1, 128), mx.float16)
     c.update_and_fetch(x, x)
     n_q = 4 * len(head_bits)
-    # the tensor cores' kernel holds fewer threadgroups per multiprocessor
-    slots = (K.MMA_GROUPS_PER_MULTIPROCESSOR if mma else K.GROUPS_PER_MULTIPROCESSOR) * 132
+    # the tensor cores' kernel holds fewer threadgroups per multiprocessor (by default it takes
+    # the 2-bit layouts only: [[2, 4], [4, 2]] stays on the CUDA cores)
+    tensor = mma and [2, 2] in head_bits
+    slots = (K.MMA_GROUPS_PER_MULTIPROCESSOR if tensor else K.GROUPS_PER_MULTIPROCESSOR) * 132
     for n_tok in (65536, 131072):
         # a pending update over n_tok stored tokens: the launches are stubs, so one row of each
         # store array stands in for the rest
@@ -340,9 +353,9 @@ def test_the_largest_partial_launch_is_one_wave(head_bits, mma, monkeypatch):
         }  # fmt: skip
         grids.clear()
         K.decode_attention(c, mx.zeros((1, n_q, 1, 128), mx.bfloat16), 0.1, pending)
-        partial = "vq_kivi_attn_partial" + ("_mma" if mma else "")
-        sizes = [gx * gy for name, (gx, gy, _) in grids if name == partial]
+        sizes = [gx * gy for name, (gx, gy, _) in grids if name.startswith("vq_kivi_attn_partial")]
         assert len(sizes) == len({tuple(b) for b in head_bits})
+        assert ("vq_kivi_attn_partial_mma" in [name for name, _ in grids]) == tensor
         assert 0.8 * slots < max(sizes) <= slots + len(head_bits), (n_tok, sizes, slots)
 
 

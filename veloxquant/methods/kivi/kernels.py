@@ -73,8 +73,14 @@ VALUE_UNROLL = 32
 # The coded tiles on the tensor cores (`_MMA_PARTIAL_BODY`, CUDA only, the layouts `mma_takes`);
 # False keeps them on the CUDA cores, as Metal always does.
 MMA = True
-# the tensor-core kernel's registers (106 under NVRTC for sm_90a) allow 4 threadgroups per
-# multiprocessor; the splits of a cache with any tensor-core launch are sized for them
+# Code widths whose layouts take the tensor cores by default. The kernel reads 2 and 4 bits
+# (`mma_takes`), but on an H100 a launch with a 4-bit side was slower than on the CUDA cores
+# (a mixed 2/4 layer's launches 90 against 74 us at 64K; its code rows' reads were 4-way bank
+# conflicts, benchmarks/results/kivi-mma-h100.txt), while 2/2 was faster (86 against 116 us).
+MMA_BITS = (2,)
+# the tensor-core kernel's registers (104 under NVRTC for sm_90a, 118 for sm_80) allow 4
+# threadgroups per multiprocessor; the splits of a cache with any tensor-core launch are sized
+# for them
 MMA_GROUPS_PER_MULTIPROCESSOR = 4
 # splits each SIMD group of the combine merges per trip, their row loads in flight together
 COMBINE_UNROLL = 4
@@ -895,7 +901,8 @@ def mma_takes(lay: Layout) -> str | None:
 
 def use_mma(lay: Layout) -> bool:
     """Whether this process's partial launch for `lay` takes the tensor cores."""
-    return MMA and backend() == "cuda" and mma_takes(lay) is None
+    bits = {lay.key_bits, lay.value_bits}
+    return MMA and backend() == "cuda" and mma_takes(lay) is None and bits <= set(MMA_BITS)
 
 
 def partial_kernel_source(lay: Layout, mma: bool = False) -> KernelSource:
