@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -531,8 +531,6 @@ _MMA_PIECES = {
   const int mr = (int)vq_lane >> 2, mq = (int)vq_lane & 3;  // A's rows mr, mr + 8; B's column mr
   const int mn = mr < GQ ? mr : GQ - 1;  // B's column's query (columns >= GQ are never read)
   const int mt0 = 32 * (int)vq_warp;  // the SIMD group's first token of a tile
-  constexpr uint32_t KMASK = ((1u << KB) - 1u) * 0x00010001u;
-  constexpr uint32_t VMASK = ((1u << VB) - 1u) * 0x00010001u;
   // the code rows of STAGES tiles (a tile's BPT key blocks, its TILE value rows), copied in
   // (cp.async) a tile ahead when STAGES is 2, so that the MMAs wait on no load from memory
   constexpr int KC4 = TILE * D * KB / 128, VC4 = TILE * VW / 4;  // uint4s of a tile's codes
@@ -643,27 +641,13 @@ _MMA_PIECES = {
             vq_kivi_words(cw[k], w + (16 * ks + 4 * mq + k) * (G * KB / 32));
           VQ_UNROLL
           for (int mt = 0; mt < 2; ++mt) {
-            uint32_t a[4];
-            if (KB == 2) {
-              uint32_t x[4];
-              VQ_UNROLL
-              for (int k = 0; k < 4; ++k) x[k] = cw[k][mt] >> (2 * mr);
-              a[0] = vq_codes_half2(x[0], x[1], 0x5410u, KMASK);
-              a[1] = vq_codes_half2(x[0], x[1], 0x7632u, KMASK);
-              a[2] = vq_codes_half2(x[2], x[3], 0x5410u, KMASK);
-              a[3] = vq_codes_half2(x[2], x[3], 0x7632u, KMASK);
-            } else {
-              uint32_t y[4], z[4];
-              VQ_UNROLL
-              for (int k = 0; k < 4; ++k) {
-                y[k] = cw[k][(2 * mt) % KB] >> (4 * mr);
-                z[k] = cw[k][(2 * mt + 1) % KB] >> (4 * mr);
-              }
-              a[0] = vq_codes_half2(y[0], y[1], 0x5410u, KMASK);
-              a[1] = vq_codes_half2(z[0], z[1], 0x5410u, KMASK);
-              a[2] = vq_codes_half2(y[2], y[3], 0x5410u, KMASK);
-              a[3] = vq_codes_half2(z[2], z[3], 0x5410u, KMASK);
+            uint32_t lo[4], hi[4], a[4];  // channel k's words of tokens mr, mr + 8
+            VQ_UNROLL
+            for (int k = 0; k < 4; ++k) {
+              lo[k] = cw[k][KB == 2 ? mt : (2 * mt) % KB];
+              hi[k] = cw[k][(2 * mt + 1) % KB];
             }
+            vq_kivi_a<KB>(a, lo, hi, mr);
             vq_mma_16816(sc[mt], a, bh);
             vq_mma_16816(sc[mt], a, bl);
           }
@@ -728,27 +712,13 @@ _MMA_PIECES = {
               const uint2 p0 = s_pwh[(grp * GQ + mn) * (TILE / 2) + tk / 2];
               const uint2 p1 = s_pwh[(grp * GQ + mn) * (TILE / 2) + tk / 2 + 4];
               const uint32_t bh[2] = {p0.x, p1.x}, bl[2] = {p0.y, p1.y};
-              uint32_t a[4];
-              if (VB == 2) {
-                uint32_t x[4];
-                VQ_UNROLL
-                for (int j = 0; j < 4; ++j) x[j] = v[j][mm] >> (2 * mr);
-                a[0] = vq_codes_half2(x[0], x[1], 0x5410u, VMASK);
-                a[1] = vq_codes_half2(x[0], x[1], 0x7632u, VMASK);
-                a[2] = vq_codes_half2(x[2], x[3], 0x5410u, VMASK);
-                a[3] = vq_codes_half2(x[2], x[3], 0x7632u, VMASK);
-              } else {
-                uint32_t y[4], z[4];
-                VQ_UNROLL
-                for (int j = 0; j < 4; ++j) {
-                  y[j] = v[j][(2 * mm) % 4] >> (4 * mr);
-                  z[j] = v[j][(2 * mm + 1) % 4] >> (4 * mr);
-                }
-                a[0] = vq_codes_half2(y[0], y[1], 0x5410u, VMASK);
-                a[1] = vq_codes_half2(z[0], z[1], 0x5410u, VMASK);
-                a[2] = vq_codes_half2(y[2], y[3], 0x5410u, VMASK);
-                a[3] = vq_codes_half2(z[2], z[3], 0x5410u, VMASK);
+              uint32_t lo[4], hi[4], a[4];  // row j's words of channels 16m + mr, + 8
+              VQ_UNROLL
+              for (int j = 0; j < 4; ++j) {
+                lo[j] = v[j][VB == 2 ? mm : (2 * mm) % 4];
+                hi[j] = v[j][(2 * mm + 1) % 4];
               }
+              vq_kivi_a<VB>(a, lo, hi, mr);
               vq_mma_16816(cf[m], a, bh);
               vq_mma_16816(cf[m], a, bl);
             }
@@ -779,6 +749,31 @@ _MMA_PIECES = {
 _MMA_HELPERS = r"""
 #ifndef VQ_KIVI_MMA_HELPERS
 #define VQ_KIVI_MMA_HELPERS
+// mma's A fragment (lane L: rows r = L / 4 and r + 8, columns 2 (L % 4) + {0, 1} and + 8, the
+// registers' halves two adjacent columns) from B-bit codes: lo[k] / hi[k] the words holding
+// column pair half k's codes of row r / r + 8, k = 0..3 for columns 2 (L % 4), + 1, + 8, + 9.
+// With 2 bits one word holds a 16-code run, row r at bit 2r and r + 8 at 2r + 16 (hi unused);
+// with 4 bits row r + 8 is the next word's, at the same bit 4r.
+template <int B>
+VQ_FN void vq_kivi_a(uint32_t (&a)[4], const uint32_t (&lo)[4], const uint32_t (&hi)[4], int r) {
+  constexpr uint32_t MASK = ((1u << B) - 1u) * 0x00010001u;
+  uint32_t x[4], y[4];
+  for (int k = 0; k < 4; ++k) {
+    x[k] = lo[k] >> (B * r);
+    y[k] = hi[k] >> (B * r);
+  }
+  if (B == 2) {
+    a[0] = vq_codes_half2(x[0], x[1], 0x5410u, MASK);
+    a[1] = vq_codes_half2(x[0], x[1], 0x7632u, MASK);
+    a[2] = vq_codes_half2(x[2], x[3], 0x5410u, MASK);
+    a[3] = vq_codes_half2(x[2], x[3], 0x7632u, MASK);
+  } else {
+    a[0] = vq_codes_half2(x[0], x[1], 0x5410u, MASK);
+    a[1] = vq_codes_half2(y[0], y[1], 0x5410u, MASK);
+    a[2] = vq_codes_half2(x[2], x[3], 0x5410u, MASK);
+    a[3] = vq_codes_half2(y[2], y[3], 0x5410u, MASK);
+  }
+}
 // N consecutive words of codes in threadgroup memory (N = 2 or 4: 8 or 16 bytes, aligned)
 VQ_FN void vq_kivi_words(uint32_t (&out)[2], const uint32_t* p) {
   const uint2 x = *reinterpret_cast<const uint2*>(p);
@@ -928,19 +923,7 @@ def _partial_kernel_source(
         "KUN": key_unroll,
         "VUN": value_unroll,
     }
-    if mma:
-        constants["STAGES"] = mma_stages(lay)
-        return KernelSource(
-            name="vq_kivi_attn_partial_mma",
-            inputs=PARTIAL_INPUTS,
-            outputs=("part_m", "part_l", "part_o"),
-            body=_MMA_PARTIAL_BODY,
-            constants=constants,
-            threads=TILE,
-            helpers=TENSOR_CORE_HELPERS + _HELPERS + _MMA_HELPERS,
-            backends=("cuda",),
-        )
-    return KernelSource(
+    source = KernelSource(
         name="vq_kivi_attn_partial",
         inputs=PARTIAL_INPUTS,
         outputs=("part_m", "part_l", "part_o"),
@@ -948,6 +931,16 @@ def _partial_kernel_source(
         constants=constants,
         threads=TILE,
         helpers=_HELPERS,
+    )
+    if not mma:
+        return source
+    return replace(
+        source,
+        name="vq_kivi_attn_partial_mma",
+        body=_MMA_PARTIAL_BODY,
+        constants={**constants, "STAGES": mma_stages(lay)},
+        helpers=TENSOR_CORE_HELPERS + _HELPERS + _MMA_HELPERS,
+        backends=("cuda",),
     )
 
 
