@@ -14,10 +14,10 @@ Two launches per layer and decode step (`decode_attention`), flash-decoding styl
    for the values); split S attends the exact tokens: the fp16 sinks, the fp16 window and the
    call's own token(s). Each writes its running max m (log2 units), its sum l and its
    unnormalised output o.
-   On CUDA the coded tiles of 2- and 4-bit layouts go to the tensor cores (`MMA`,
-   `mma_takes`): the codes become exact f16 operands and q·s and p·s are each split into two
-   f16 parts, so the sums keep float32's precision; the CUDA cores' kernel serves the rest
-   and Metal.
+   On CUDA the coded tiles of 2-bit layouts go to the tensor cores (`MMA`, `MMA_BITS`; the
+   kernel also reads 4-bit codes, `mma_takes`): the codes become exact f16 operands and q·s and
+   p·s are each split into two f16 parts, so the sums keep float32's precision. The CUDA
+   cores' kernel serves the other layouts, and Metal.
 2. `combine`: one threadgroup per query head merges the S + 1 partials (o = Σ 2^(m_s - M)·o_s
    / Σ 2^(m_s - M)·l_s) and writes the head's output in the model's dtype.
 
@@ -113,7 +113,7 @@ class Layout:
 def threadgroup_bytes(lay: Layout, mma: bool = False) -> int:
     """Threadgroup memory of the partial kernel: the scaled queries, the per-block query
     scales and biases, the tile's scores, its tokens' value-scale weights and the softmax
-    state; on the tensor cores also `mma_stages` tiles' code rows."""
+    state; on the tensor cores also `mma_stages` tiles' code rows, scales and zero points."""
     d, gq, blocks = lay.head_dim, lay.queries_per_kv, TILE // lay.group_size
     groups = d // lay.group_size
     floats = gq * d + blocks * gq * d + blocks * gq + gq * TILE + TILE * groups * gq + 3 * gq
