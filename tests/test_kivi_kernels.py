@@ -304,6 +304,15 @@ def test_the_tensor_cores_take_the_2_and_4_bit_layouts():
     }
 
 
+def test_the_tensor_cores_refuse_a_layout_their_threadgroup_memory_cannot_hold():
+    # 8 query heads per KV head at G 32 and D 128: the CUDA cores' kernel fits 48 KB (41184
+    # bytes), the tensor cores' even with one stage of code rows does not
+    lay = K.Layout(128, 32, 2, 2, 8)
+    assert K.unsupported(lay) is None
+    assert "53472 bytes of threadgroup memory" in K.mma_takes(lay)
+    assert K.mma_takes(K.Layout(128, 64, 2, 2, 8)) is None
+
+
 def test_by_default_only_2_bit_layouts_take_the_tensor_cores(monkeypatch):
     # a 4-bit side was slower on the tensor cores than on the CUDA cores (K.MMA_BITS)
     monkeypatch.setattr(K, "backend", lambda: "cuda")

@@ -891,6 +891,9 @@ def mma_takes(lay: Layout) -> str | None:
         return f"group_size {lay.group_size} (the tensor cores take 32 or more)"
     if lay.head_dim not in (64, 128):
         return f"head_dim {lay.head_dim} (the tensor cores take 64 and 128)"
+    if threadgroup_bytes(lay, mma=True) > THREADGROUP_LIMIT["cuda"]:
+        need, limit = threadgroup_bytes(lay, mma=True), THREADGROUP_LIMIT["cuda"]
+        return f"{need} bytes of threadgroup memory on the tensor cores (at most {limit})"
     return None
 
 
