@@ -78,6 +78,7 @@ def check_layers(dtype: mx.Dtype, contexts=(3, 5000, 70000)) -> list[str]:
             c, q = layer_case(head_bits, d, g, gq, n_tok, dtype)
             pending = c._pending
             want = K.reference_attention(c, q.astype(mx.float32), 0.1, None, pending)
+            default_mma = K.MMA
             for mma in (True, False) if backend() == "cuda" else (False,):
                 K.MMA = mma
                 cores = [K.use_mma(K.Layout(d, g, kb, vb, gq)) for kb, vb in bits]
@@ -90,7 +91,7 @@ def check_layers(dtype: mx.Dtype, contexts=(3, 5000, 70000)) -> list[str]:
                     failures.append(line)
                 if not any(cores):
                     break
-            K.MMA = True
+            K.MMA = default_mma
     return failures
 
 

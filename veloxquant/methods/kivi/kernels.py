@@ -495,17 +495,25 @@ _SCALAR_PIECES = {
     }""",
 }
 
-# The bias of each (key block, query) of the tile: Σ_c q_c·z[blk, c], one SIMD group per pair.
+# The bias of each (key block, query) of the tile: Σ_c q_c·z[blk, c], one SIMD group per pair;
+# VQ_KIVI_KEY_ZERO(b, c) is the zero point of channel c of the tile's block b, read from the
+# store (CUDA cores) or from the tile's copy in threadgroup memory (tensor cores).
 _KEY_BIAS = """
       for (int pair = (int)vq_warp; pair < BPT * GQ; pair += NW) {
-        const int blk = tile * BPT + pair / GQ, g = pair % GQ;
+        const int b = pair / GQ, g = pair % GQ;
         float z = 0.0f;
-        if (blk < n_blocks)
+        if (tile * BPT + b < n_blocks)
           for (int c = (int)vq_lane; c < D; c += 32)
-            z += s_q[g * D + c] * static_cast<float>(key_zero[(krow * kstride + blk) * D + c]);
+            z += s_q[g * D + c] * static_cast<float>(VQ_KIVI_KEY_ZERO(b, c));
         z = vq_simd_sum(z);
         if (vq_lane == 0) s_bias[pair] = z;
       }"""
+_SCALAR_KEY_ZERO = """
+#define VQ_KIVI_KEY_ZERO(b, c) key_zero[(krow * kstride + tile * BPT + (b)) * D + (c)]
+"""
+_MMA_KEY_ZERO = """
+#define VQ_KIVI_KEY_ZERO(b, c) VQ_STAGED(st, 1, key_zero, (b) * D + (c))
+"""
 
 # The tensor cores (mma m16n8k16, f16 operands, f32 sums). SIMD group w takes the tile's
 # tokens 32w .. 32w + 31, which lie in one key block (G >= 32):
@@ -611,15 +619,7 @@ _MMA_PIECES = {
         h.w = vq_pack_half2(x[2] - vq_round_half(x[2]), x[3] - vq_round_half(x[3]));
         s_qh[i] = h;
       }
-      for (int pair = (int)vq_warp; pair < BPT * GQ; pair += NW) {  // as _KEY_BIAS
-        const int b = pair / GQ, g = pair % GQ;
-        float z = 0.0f;
-        if (tile * BPT + b < n_blocks)
-          for (int c = (int)vq_lane; c < D; c += 32)
-            z += s_q[g * D + c] * static_cast<float>(VQ_STAGED(st, 1, key_zero, b * D + c));
-        z = vq_simd_sum(z);
-        if (vq_lane == 0) s_bias[pair] = z;
-      }
+@@KEY_BIAS@@
       VQ_BARRIER();
       const int b = mt0 / G, blk = tile * BPT + b;
       float sc[2][4];
@@ -800,8 +800,8 @@ def _partial_body(pieces: dict[str, str]) -> str:
     return body
 
 
-_PARTIAL_BODY = _VALUE_TOKEN + _partial_body(_SCALAR_PIECES)
-_MMA_PARTIAL_BODY = _partial_body(_MMA_PIECES)
+_PARTIAL_BODY = _VALUE_TOKEN + _SCALAR_KEY_ZERO + _partial_body(_SCALAR_PIECES)
+_MMA_PARTIAL_BODY = _MMA_KEY_ZERO + _partial_body(_MMA_PIECES)
 
 PARTIAL_INPUTS = (
     "queries",
