@@ -881,6 +881,7 @@ _COMBINE_BODY = """
 COMBINE_INPUTS = ("part_m", "part_l", "part_o", "heads", "iparams")
 
 
+@functools.lru_cache(maxsize=64)  # a decode step asks once per layer and layout
 def mma_takes(lay: Layout) -> str | None:
     """Why the tensor-core partial kernel does not take a layout (None when it does): it
     reads 2- and 4-bit codes only (a word's tokens or channels then line up with mma's
