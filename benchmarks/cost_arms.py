@@ -11,7 +11,7 @@ addressing as they are, so that the time it saves is what that traffic costs in 
                same parity; two instructions per code word)
     nophase    the phase A fragments not loaded (register values instead of the host table)
     nokrow     key code rows loaded for the first block of a tile only (later blocks reuse them)
-    novrow     value code rows neither loaded nor staged (codes made from the block's probabilities)
+    novrow     value code rows not loaded (codes made from the block's probabilities)
     nokgather  key codebook gathers skipped (the address stands in for the entry)
     novgather  value codebook gathers skipped
     stream     correct: code rows loaded as streaming (__ldcs: evict first), so that they do not
@@ -42,14 +42,7 @@ __device__ inline uint2 vq_fake_entry(uint32_t x, uint2) { return make_uint2(x, 
 """
 _PHASE_LOAD = "const uint4 f = frags[(db * PC + pc) * 32 + lane];"
 _KEY_ROWS = "vq_slice<KSW, KW, KALIGN>(kw[r], krow + 8 * r * KW, kfirst, ksh);"
-# a lane's value code words of row `row` of block k, from the stage or from memory
-_VALUE_ROWS = """          if (VSTAGE) {
-            const int i = row + 2 * l4;  // at row i ^ ((i >> 2) & 1) of the block's stage
-            const VQ_TG uint32_t* at = vstage + (k * 16 + (i ^ ((i >> 2) & 1))) * VW;
-            vq_slice<VSW, VW, VALIGN>(vw, at, vfirst, vsh);
-          } else {
-            vq_slice<VSW, VW, VALIGN>(vw, vrow + row * VW, vfirst, vsh);
-          }"""
+_VALUE_ROWS = "vq_slice<VSW, VW, VALIGN>(vw, vrow + ((u & 1) + 8 * (u >> 1)) * VW, vfirst, vsh);"
 _KEY_GATHER = "a[2 * hf + r] = vq_lds(kbook_lane + at, 0u);"
 _SLICE_LOAD = "for (int i = 0; i < SW; ++i) out[i] = at[i];"
 
@@ -82,8 +75,7 @@ ARMS: dict[str, list[tuple[str, str]]] = {
         (
             _VALUE_ROWS,
             "for (int i = 0; i < VSW; ++i) vw[i] = pb[u & 1] * 0x9E3779B9u + (uint32_t)(u + i);",
-        ),
-        ("\nVALUE_STAGE = True\n", "\nVALUE_STAGE = False\n"),  # nor copied to the stage
+        )
     ],
     "nokgather": [(_KEY_GATHER, "a[2 * hf + r] = kbook_lane + at;")],
     "novgather": [

@@ -66,15 +66,14 @@ def report(mma: bool, work: Path) -> None:
     tu = src.cuda_translation_unit(ins, ["float32", dtype_name(qs[0].dtype)])
     used, sass = compile_and_read(tu, work, f"mma{int(mma)}")
     regs = int(re.search(r"Used (\d+) registers", used).group(1))
-    smem = int(re.search(r"(\d+) bytes smem", used).group(1)) + src.dynamic_shared
+    smem = int(re.search(r"(\d+) bytes smem", used).group(1))
     per_sm = min(
         REGISTERS_PER_SM // (-(-regs // 8) * 8 * K.TILE),
         SMEM_PER_SM // (smem + 1024),  # 1 KB per threadgroup is reserved
         THREADS_PER_SM // K.TILE,
     )
     print(f"coded tokens on the {'tensor' if mma else 'CUDA'} cores (MMA = {mma})")
-    dynamic = f" + {src.dynamic_shared} bytes dynamic smem" if src.dynamic_shared else ""
-    print(f"  {used}{dynamic}; {per_sm} threadgroups per multiprocessor")
+    print(f"  {used}; {per_sm} threadgroups per multiprocessor")
     print(f"  mma instructions: {sass.count('HMMA')}")
     print(f"  spans of {MIN_SPAN}+ instructions: all, then FFMA HMMA LDS LDG MUFU SHFL BAR")
     for start, end, ops in loops(sass):

@@ -90,17 +90,6 @@ TOKENS_PER_THREAD = 2
 # ahead (the value rows' turn spilled: 128 registers). Faster inside real decode steps on an
 # H100 than False (benchmarks/results/mma-loop-h100.txt, `h200_mma.sh loop`'s noahead arm).
 KEY_ROWS_AHEAD = True
-# The tensor-core loop copies each SIMD group's value code rows of the next tile into dynamic
-# threadgroup memory (cp.async) as soon as it has read this tile's, so that a tile's value sums
-# no longer wait on a round trip to memory (128 registers left no room to hold them ahead); the
-# split's first tile is copied during the setup. Layouts whose rows are not whole 16-byte
-# chunks, or whose stage would leave fewer than MMA_MIN_THREADGROUPS threadgroups per
-# multiprocessor, read them from memory as before (`value_stage_bytes`).
-VALUE_STAGE = True
-# Shared memory per multiprocessor on sm_90 (H100, H200): 228 KB, of which the system keeps
-# 1 KB per threadgroup.
-SHARED_PER_MULTIPROCESSOR = 228 * 1024
-SHARED_RESERVED_PER_THREADGROUP = 1024
 # Value codes each thread has in flight while it accumulates the previous ones.
 VALUE_PREFETCH = 16
 # Key sub-vectors scored per iteration of the partial kernel's key loop, which is not unrolled
@@ -928,24 +917,6 @@ VQ_FN void vq_slice(uint32_t (&out)[SW], const VQ_GLOBAL uint32_t* at, int first
     for (int i = 0; i < SW; ++i) out[i] = sh ? (w[i] >> sh) | (w[i + 1] << (32 - sh)) : w[i];
   }
 }
-// SIMD group w's value code rows of its WB blocks of the tile at `tile` into its stage, 16
-// bytes per copy, as one group of copies: block k from token min(tile + 16 (w WB + k), tlast)
-// (as the loop reads them), row i of a block at row i ^ ((i >> 2) & 1), so that the four rows
-// a lane group reads at once (i = c + 2 l4) fall on distinct banks of 8-word rows
-template <int WB, int VW>
-VQ_FN void vq_stage_value_rows(VQ_TG uint4* stage, const VQ_GLOBAL uint32_t* rows, int tile,
-                               int w, int tlast, int lane) {
-  constexpr int CH = VW / 4;  // 16-byte chunks per row
-  VQ_UNROLL
-  for (int n = 0; n < WB * 16 * CH / 32; ++n) {
-    const int c = lane + 32 * n;
-    const int k = c / (16 * CH), row = c % (16 * CH) / CH, q = c % CH;
-    const int tb = min(tile + 16 * (w * WB + k), tlast);
-    const int at = (k * 16 + (row ^ ((row >> 2) & 1))) * CH + q;
-    vq_cp_async16(stage + at, rows + (tb + row) * VW + 4 * q);
-  }
-  vq_cp_async_commit();
-}
 #endif
 """
 )
@@ -973,21 +944,10 @@ _MMA_SHARED = """
   // f16 key codebook copies and, per s_wb slot, W of its (pair j, head g) rotated to the next
   // tile's start (zero for heads past G); then the reduction
   VQ_SHARED float4 s_big[BIG4];
-  // each SIMD group's value code rows of a tile (VSTAGE: in dynamic shared memory)
-  @@VALUE_STAGE@@
   VQ_TG uint32_t* s_kb16 = reinterpret_cast<VQ_TG uint32_t*>(s_big);
   VQ_TG float2* s_wrot = reinterpret_cast<VQ_TG float2*>(s_big + KBOOK4);
   VQ_TG float* s_acc = reinterpret_cast<VQ_TG float*>(s_big);
   VQ_TG float* s_qtf = reinterpret_cast<VQ_TG float*>(s_qt);
-"""
-
-# the split's first value rows, in flight during the setup
-_MMA_VALUE_PROLOGUE = """    if (VSTAGE) {
-      const int t0 = split * tps, t1 = (min(T, t0 + tps) - 1) & ~15;
-      const VQ_GLOBAL uint32_t* rows = reinterpret_cast<const VQ_GLOBAL uint32_t*>(value_codes);
-      vq_stage_value_rows<WB, VW>(s_vstage + (int)vq_warp * VSTAGE_WARP4, rows + h * cap * VW, t0,
-                                  (int)vq_warp, t1, (int)vq_lane);
-    }
 """
 
 _MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), copied so that a SIMD
@@ -1109,8 +1069,6 @@ _MMA_TILES = (
     // this lane's first key row (token quad of a block) and value row (token 2 l4), at its slice
     const VQ_GLOBAL uint32_t* kbase = kwords + (h * cap + quad) * KW + kfirst;
     const VQ_GLOBAL uint32_t* vbase = vwords + (h * cap + 2 * l4) * VW + vfirst;
-    const VQ_TG uint32_t* vstage =
-        reinterpret_cast<const VQ_TG uint32_t*>(s_vstage + (int)vq_warp * VSTAGE_WARP4) + vfirst;
     // the key rows of the SIMD group's first block of a tile, loaded a tile ahead (KAHEAD):
     // that block's scores otherwise wait on a round trip to memory at every tile
     uint32_t kahead[2][KSW];
@@ -1260,10 +1218,6 @@ _MMA_TILES = (
           acc[b][e + 2] *= al;
         }
       }
-      if (VSTAGE) {  // this tile's value rows, copied during the previous tile (or the setup)
-        vq_cp_async_wait<0>();
-        vq_syncwarp();
-      }
       // P as B fragments (k rows tokens 2 l4 + {0, 1} and 8 + 2 l4 + {0, 1}, head quad), then
       // O^T += V^T P per block
       VQ_UNROLL
@@ -1282,14 +1236,7 @@ _MMA_TILES = (
         VQ_UNROLL
         for (int u = 0; u < 4; ++u) {
           uint32_t vw[VSW];
-          const int row = (u & 1) + 8 * (u >> 1);
-          if (VSTAGE) {
-            const int i = row + 2 * l4;  // at row i ^ ((i >> 2) & 1) of the block's stage
-            const VQ_TG uint32_t* at = vstage + (k * 16 + (i ^ ((i >> 2) & 1))) * VW;
-            vq_slice<VSW, VW, VALIGN>(vw, at, vfirst, vsh);
-          } else {
-            vq_slice<VSW, VW, VALIGN>(vw, vrow + row * VW, vfirst, vsh);
-          }
+          vq_slice<VSW, VW, VALIGN>(vw, vrow + ((u & 1) + 8 * (u >> 1)) * VW, vfirst, vsh);
           VQ_UNROLL
           for (int s = 0; s < VSUB; ++s) {
             ve[u][s] = vq_lds(vbook_lane + vq_bits_at(vw, s * VB, VB, VLG), VEWT());
@@ -1307,13 +1254,6 @@ _MMA_TILES = (
             }
           }
           vq_mma_16816(acc[b], a, pb);
-        }
-      }
-      if (VSTAGE) {  // the next tile's value rows, once every lane has read this tile's
-        vq_syncwarp();
-        if (tile + TT < t_end) {
-          vq_stage_value_rows<WB, VW>(s_vstage + (int)vq_warp * VSTAGE_WARP4, vwords + h * cap * VW,
-                                      tile + TT, (int)vq_warp, tlast, lane);
         }
       }
     }
@@ -1371,7 +1311,6 @@ _MMA_BODY = (
     _PARTIAL_PARAMS
     + _MMA_SHARED
     + _PARTIAL_OPEN
-    + _MMA_VALUE_PROLOGUE
     + _MMA_BOOKS
     + _PARTIAL_QTILDE
     + _MMA_TILES
@@ -1991,8 +1930,7 @@ def _round4(n: int) -> int:
 def threadgroup_bytes(lay: Layout, r: int, one_launch: bool = False) -> int:
     """Threadgroup memory of the partial kernel (Apple GPUs allow 32 KB), or of the one-launch
     kernel: its codebook array is at least `one_launch_big4`, and a flag (`mma_bytes` where
-    it runs its coded tokens on the tensor cores). Static arrays only: the tensor-core
-    kernel's value stage is dynamic shared memory on top (`value_stage_bytes`)."""
+    it runs its coded tokens on the tensor cores)."""
     if one_launch and mma_takes(lay, r):
         return mma_bytes(lay, r)
     c = _partial_constants(lay, r)
@@ -2126,22 +2064,6 @@ def mma_bytes(lay: Layout, r: int) -> int:
     floats += 2 * 32 * c["DC"] + 2 * nw * g + 2 * g
     vbook = 16 * -(-((1 << lay.value_bits) * c["VR16"] * c["VEW"]) // 4)
     return 4 * floats + vbook + 16 * big4 + 4
-
-
-def value_stage_bytes(lay: Layout, r: int | None = None) -> int:
-    """Dynamic shared memory of the one-launch kernel's value stage (`VALUE_STAGE`): each SIMD
-    group's value code rows of one tile, or 0 where the kernel reads them from memory (the
-    CUDA cores, rows that are not whole 16-byte chunks, or a stage that would leave fewer than
-    MMA_MIN_THREADGROUPS threadgroups per multiprocessor)."""
-    r = TOKENS_PER_THREAD if r is None else r
-    if not (VALUE_STAGE and mma_takes(lay, r)):
-        return 0
-    vw, wb = lay.value_bytes // 4, _mma_constants(lay, r)["WB"]
-    if lay.value_bytes % 16 or wb * 16 * (vw // 4) % 32:
-        return 0
-    stage = TILE // 32 * wb * 16 * vw * 4
-    per_group = mma_bytes(lay, r) + stage + SHARED_RESERVED_PER_THREADGROUP
-    return stage if per_group * MMA_MIN_THREADGROUPS <= SHARED_PER_MULTIPROCESSOR else 0
 
 
 def encode_threadgroup_bytes(lay: Layout) -> int:
@@ -2382,34 +2304,6 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
     return memo[key]
 
 
-def _dynamic_arrays(shared: str) -> tuple[str, int]:
-    """The threadgroup arrays of `shared` carved out of one dynamic shared memory array
-    (`s_dynamic`, DYN4 uint4s), each 16-byte aligned, and the value stage after them; and how
-    many arrays. All of them move: MLX raises a kernel's limit past CUDA's 48 KB only for a
-    dynamic request of over 48000 bytes, and static arrays count towards that limit too."""
-    decl = re.compile(r"^(\s*)VQ_SHARED (\w+) (s_\w+)\[(.+)\];(.*)$", re.M)
-    n = 0
-
-    def carve(m: re.Match) -> str:
-        nonlocal n
-        indent, t, name, count, comment = m.groups()
-        n += 1
-        at, end = f"VQ_DYN{n - 1}", f"VQ_DYN{n}"
-        return (
-            f"{indent}VQ_TG {t}* const {name} =\n"
-            f"{indent}    reinterpret_cast<VQ_TG {t}*>(s_dynamic + {at} / 16);{comment}\n"
-            f"{indent}constexpr int {end} = ({at} + (int)sizeof({t}) * ({count}) + 15) & ~15;"
-        )
-
-    out = decl.sub(carve, shared)
-    stage = (
-        f'static_assert(VQ_DYN{n} + 16 * VSTAGE4 <= 16 * DYN4, "the arrays outgrow DYN4");\n'
-        f"  VQ_TG uint4* const s_vstage = s_dynamic + VQ_DYN{n} / 16;"
-    )
-    head = "  VQ_DYNAMIC_SHARED(uint4, s_dynamic, DYN4);\n  constexpr int VQ_DYN0 = 0;\n"
-    return head + out.replace("@@VALUE_STAGE@@", stage), n
-
-
 def one_launch_kernel_source(
     lay: Layout, out_dtype: mx.Dtype, window_dtype: mx.Dtype, r: int | None = None
 ) -> KernelSource:
@@ -2423,22 +2317,12 @@ def one_launch_kernel_source(
     mma = mma_takes(lay, r)
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK, mma)
     key += (COMBINE_FLOAT4,)
-    key += (MMA_MIN_THREADGROUPS, VALUE_STAGE)
+    key += (MMA_MIN_THREADGROUPS,)
     if key not in _SOURCES:
-        stage = value_stage_bytes(lay, r)
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
         if mma:  # the same kernel with its coded tokens on the tensor cores
             constants = {**partial.constants, **_mma_constants(lay, r), "BIG4": _mma_big4(lay, r)}
-            constants["VSTAGE"] = stage > 0
-            constants["VSTAGE4"] = stage // 16
-            constants["VSTAGE_WARP4"] = stage // 16 // (TILE // 32)
-            body = _MMA_BODY.replace("@@VALUE_STAGE@@", "uint4* const s_vstage = nullptr;")
-            if stage:
-                shared, n_arrays = _dynamic_arrays(_MMA_SHARED)
-                body = _MMA_BODY.replace(_MMA_SHARED, shared)
-                dynamic = 16 * (-(-mma_bytes(lay, r) // 16) + n_arrays) + stage
-                constants["DYN4"] = dynamic // 16
-            body, helpers = _EXACT_ROW + body, partial.helpers + _MMA_HELPERS
+            body, helpers = _EXACT_ROW + _MMA_BODY, partial.helpers + _MMA_HELPERS
             partial = replace(partial, body=body, constants=constants, helpers=helpers)
             partial = replace(partial, min_threadgroups=MMA_MIN_THREADGROUPS)
         combine = _combine_statements("h * G", lay.group, TILE, lay.head_dim, "s_tail")
@@ -2467,7 +2351,6 @@ def one_launch_kernel_source(
             helpers=partial.helpers,
             backends=("cuda",),
             min_threadgroups=partial.min_threadgroups,
-            dynamic_shared=dynamic if mma and stage else 0,
         )
     return _SOURCES[key]
 
