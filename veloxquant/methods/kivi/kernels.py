@@ -74,9 +74,10 @@ VALUE_UNROLL = 32
 # False keeps them on the CUDA cores, as Metal always does.
 MMA = True
 # Code widths whose layouts take the tensor cores by default. The kernel reads 2 and 4 bits
-# (`mma_takes`), but on an H100 a launch with a 4-bit side was slower than on the CUDA cores
-# (a mixed 2/4 layer's launches 90 against 74 us at 64K; its code rows' reads were 4-way bank
-# conflicts, benchmarks/results/kivi-mma-h100.txt), while 2/2 was faster (86 against 116 us).
+# (`mma_takes`), but on an H100 a launch with a 4-bit side is slower than on the CUDA cores: a
+# mixed 2/4 layer's launches 78-79 against 73-74 us at 64K with the padded threadgroup rows
+# (90 before them: 4-way bank conflicts), while 2/2 is faster, 84 against 116 us
+# (benchmarks/results/kivi-padding-h100.txt, kivi-mma-h100.txt).
 MMA_BITS = (2,)
 # the tensor-core kernel's registers (104 under NVRTC for sm_90a, 118 for sm_80) allow 4
 # threadgroups per multiprocessor; the splits of a cache with any tensor-core launch are sized
@@ -113,25 +114,35 @@ class Layout:
 def threadgroup_bytes(lay: Layout, mma: bool = False) -> int:
     """Threadgroup memory of the partial kernel: the scaled queries, the per-block query
     scales and biases, the tile's scores, its tokens' value-scale weights and the softmax
-    state; on the tensor cores also `mma_stages` tiles' code rows, scales and zero points."""
+    state; on the tensor cores the last two as padded f16 pairs, and `mma_stages` tiles' code
+    rows, scales and zero points."""
+    if mma:
+        return _mma_fixed_bytes(lay) + mma_stages(lay) * _mma_stage_bytes(lay)
     d, gq, blocks = lay.head_dim, lay.queries_per_kv, TILE // lay.group_size
     groups = d // lay.group_size
     floats = gq * d + blocks * gq * d + blocks * gq + gq * TILE + TILE * groups * gq + 3 * gq
-    codes = mma_stages(lay) * _tile_code_bytes(lay) if mma else 0
-    return 4 * floats + codes
+    return 4 * floats
 
 
-def _tile_code_bytes(lay: Layout) -> int:
-    """A tile's code rows, and their f16 scales and zero points (keys' per block)."""
-    blocks, groups = TILE // lay.group_size, lay.head_dim // lay.group_size
-    codes = TILE * (lay.head_dim * lay.key_bits // 8 + 4 * lay.value_words)
-    return codes + 2 * 2 * (blocks * lay.head_dim + TILE * groups)
+def _mma_fixed_bytes(lay: Layout) -> int:
+    d, gq, blocks = lay.head_dim, lay.queries_per_kv, TILE // lay.group_size
+    groups = d // lay.group_size
+    floats = gq * d + blocks * gq + gq * TILE + 3 * gq
+    return 4 * floats + 16 * blocks * gq * (d // 4 + 4) + 8 * groups * gq * (TILE // 2 + 4)
+
+
+def _mma_stage_bytes(lay: Layout) -> int:
+    """A tile's code rows as the tensor-core kernel lays them out (16 bytes more every 4 key
+    channels and every 2 value rows), and their f16 scales and zero points."""
+    d, blocks, groups = lay.head_dim, TILE // lay.group_size, lay.head_dim // lay.group_size
+    words = blocks * (lay.key_words + d) + TILE // 2 * (2 * lay.value_words + 4)
+    return 4 * words + 2 * 2 * (blocks * d + TILE * groups)
 
 
 def mma_stages(lay: Layout) -> int:
     """Tiles of code rows the tensor-core kernel holds: 2 (the next tile's copied in during
     this one) where CUDA's 48 KB of threadgroup memory takes them, else 1."""
-    two = threadgroup_bytes(lay) + 2 * _tile_code_bytes(lay)
+    two = _mma_fixed_bytes(lay) + 2 * _mma_stage_bytes(lay)
     return 2 if two <= THREADGROUP_LIMIT["cuda"] else 1
 
 
@@ -533,15 +544,20 @@ _MMA_KEY_ZERO = """
 _MMA_PIECES = {
     "CODED_ARRAYS": """
   // qs of the tile's key blocks, [block][query][4 channels]: f16 high parts (x, y), low (z, w)
-  VQ_SHARED uint4 s_qh[BPT * GQ * D / 4];
+  // (rows of D / 4 + 4: a SIMD group's queries read at once fall in different banks; so too
+  // the code rows below, 16 bytes longer every 4 key channels and every 2 value rows)
+  constexpr int QHR = D / 4 + 4, PWR = TILE / 2 + 4;  // row lengths of s_qh, s_pwh
+  VQ_SHARED uint4 s_qh[BPT * GQ * QHR];
   // p·s, [value group][query][2 tokens]: f16 high parts (x), low parts (y)
-  VQ_SHARED uint2 s_pwh[NG * GQ * TILE / 2];
+  VQ_SHARED uint2 s_pwh[NG * GQ * PWR];
   const int mr = (int)vq_lane >> 2, mq = (int)vq_lane & 3;  // A's rows mr, mr + 8; B's column mr
   const int mn = mr < GQ ? mr : GQ - 1;  // B's column's query (columns >= GQ are never read)
   const int mt0 = 32 * (int)vq_warp;  // the SIMD group's first token of a tile
   // the code rows of STAGES tiles (a tile's BPT key blocks, its TILE value rows), copied in
   // (cp.async) a tile ahead when STAGES is 2, so that the MMAs wait on no load from memory
-  constexpr int KC4 = TILE * D * KB / 128, VC4 = TILE * VW / 4;  // uint4s of a tile's codes
+  constexpr int CW = G * KB / 32;  // words of a key channel's codes in a block
+  constexpr int KWP = KW + D, VWP = 2 * VW + 4;  // words of a key block, of two value rows
+  constexpr int KC4 = BPT * KWP / 4, VC4 = TILE / 2 * VWP / 4;  // uint4s of a tile's codes
   VQ_SHARED uint4 s_kc[STAGES * KC4];
   VQ_SHARED uint4 s_vc[STAGES * VC4];
   // and their scales and zero points: the key blocks' (BPT * D each), the value rows' (TILE *
@@ -561,10 +577,16 @@ _MMA_PIECES = {
     const int nb = min(BPT, n_blocks - t * BPT);
     const VQ_GLOBAL uint4* kg =
         reinterpret_cast<const VQ_GLOBAL uint4*>(key_codes + (krow * kstride + t * BPT) * KW);
-    for (int i = tid; i < nb * KW / 4; i += TILE) vq_cp_async16(&s_kc[st * KC4 + i], kg + i);
+    for (int i = tid; i < nb * KW / 4; i += TILE) {
+      const int b = 4 * i / KW, at = 4 * i % KW;  // a copy never straddles 4 channels
+      vq_cp_async16(&s_kc[st * KC4 + (b * KWP + at + at / (4 * CW) * 4) / 4], kg + i);
+    }
     const VQ_GLOBAL uint4* vg =
         reinterpret_cast<const VQ_GLOBAL uint4*>(value_codes + (vrow * vstride + t * TILE) * VW);
-    for (int i = tid; i < nb * G * VW / 4; i += TILE) vq_cp_async16(&s_vc[st * VC4 + i], vg + i);
+    for (int i = tid; i < nb * G * VW / 4; i += TILE) {
+      const int t = 4 * i / VW, at = 4 * i % VW;
+      vq_cp_async16(&s_vc[st * VC4 + (t / 2 * VWP + t % 2 * VW + at) / 4], vg + i);
+    }
     VQ_TG uint4* sz = &s_sz[st * 2 * (KS4 + VS4)];
     const int kat = (krow * kstride + t * BPT) * D, vat = (vrow * vstride + t * TILE) * NG;
     if (tid < nb * D / 8) {  // KS4 <= TILE: one copy of each a thread
@@ -617,7 +639,7 @@ _MMA_PIECES = {
         h.y = vq_pack_half2(x[2], x[3]);
         h.z = vq_pack_half2(x[0] - vq_round_half(x[0]), x[1] - vq_round_half(x[1]));
         h.w = vq_pack_half2(x[2] - vq_round_half(x[2]), x[3] - vq_round_half(x[3]));
-        s_qh[i] = h;
+        s_qh[i / (D / 4) * QHR + i % (D / 4)] = h;
       }
 @@KEY_BIAS@@
       VQ_BARRIER();
@@ -630,22 +652,26 @@ _MMA_PIECES = {
       if (blk < n_blocks) {  // the same for the whole SIMD group
         // channel c's codes: G·KB / 32 words; the SIMD group's 32 tokens are KB of them
         const uint32_t* w =
-            reinterpret_cast<const uint32_t*>(&s_kc[st * KC4]) + b * KW + (mt0 % G) * KB / 32;
+            reinterpret_cast<const uint32_t*>(&s_kc[st * KC4]) + b * KWP + (mt0 % G) * KB / 32;
         VQ_UNROLL
         for (int ks = 0; ks < D / 16; ++ks) {
-          const uint4 bq = s_qh[(b * GQ + mn) * (D / 4) + 4 * ks + mq];
+          const uint4 bq = s_qh[(b * GQ + mn) * QHR + 4 * ks + mq];
           const uint32_t bh[2] = {bq.x, bq.y}, bl[2] = {bq.z, bq.w};
-          uint32_t cw[4][KB];
+          // each channel's words: with 2 bits both M-tiles' at once, with 4 one M-tile's at a
+          // time (fewer registers)
+          uint32_t cw[4][2];
+          const uint32_t* wk = w + 16 * ks * CW + 4 * mq * CW + 4 * (4 * ks + mq);
           VQ_UNROLL
           for (int k = 0; k < 4; ++k)
-            vq_kivi_words(cw[k], w + (16 * ks + 4 * mq + k) * (G * KB / 32));
+            if (KB == 2) vq_kivi_words(cw[k], wk + k * CW);
           VQ_UNROLL
           for (int mt = 0; mt < 2; ++mt) {
             uint32_t lo[4], hi[4], a[4];  // channel k's words of tokens mr, mr + 8
             VQ_UNROLL
             for (int k = 0; k < 4; ++k) {
-              lo[k] = cw[k][KB == 2 ? mt : (2 * mt) % KB];
-              hi[k] = cw[k][(2 * mt + 1) % KB];
+              if (KB == 4) vq_kivi_words(cw[k], wk + k * CW + 2 * mt);
+              lo[k] = cw[k][KB == 2 ? mt : 0];
+              hi[k] = cw[k][1];
             }
             vq_kivi_a<KB>(a, lo, hi, mr);
             vq_mma_16816(sc[mt], a, bh);
@@ -676,7 +702,7 @@ _MMA_PIECES = {
             uint2 h;
             h.x = vq_pack_half2(x, y);
             h.y = vq_pack_half2(x - vq_round_half(x), y - vq_round_half(y));
-            s_pwh[(grp * GQ + g) * (TILE / 2) + tid / 2] = h;
+            s_pwh[(grp * GQ + g) * PWR + tid / 2] = h;
           }
           zacc[g][grp] = zacc[g][grp] * s_corr[g] + p * vzero;
         }
@@ -691,16 +717,14 @@ _MMA_PIECES = {
         for (int ks = 0; ks < 2; ++ks) {
           // A's columns 2 mq + {0, 1} are tokens tk + {0, 1}, columns 2 mq + {8, 9} tk + {8, 9}
           const int tk = mt0 + 16 * ks + 2 * mq;
-          const uint4* rows[4];
-          VQ_UNROLL
-          for (int j = 0; j < 4; ++j)
-            rows[j] = &s_vc[st * VC4 + (tk + (j & 1) + 8 * (j >> 1)) * VW / 4];
+          // rows tk + {0, 1, 8, 9}: uint4 j * VW / 4 from pair tk / 2, then 4 pairs on
+          const int row0 = st * VC4 + tk / 2 * (VWP / 4);
           VQ_UNROLL
           for (int ch = 0; ch < VW / 4; ++ch) {  // 128 bits of each row: 8 / VB M-tiles
             uint32_t v[4][4];
             VQ_UNROLL
             for (int j = 0; j < 4; ++j) {
-              const uint4 x = rows[j][ch];
+              const uint4 x = s_vc[row0 + (j >> 1) * VWP + (j & 1) * (VW / 4) + ch];
               v[j][0] = x.x;
               v[j][1] = x.y;
               v[j][2] = x.z;
@@ -709,8 +733,8 @@ _MMA_PIECES = {
             VQ_UNROLL
             for (int mm = 0; mm < 8 / VB; ++mm) {
               const int m = ch * (8 / VB) + mm, grp = 16 * m / G;
-              const uint2 p0 = s_pwh[(grp * GQ + mn) * (TILE / 2) + tk / 2];
-              const uint2 p1 = s_pwh[(grp * GQ + mn) * (TILE / 2) + tk / 2 + 4];
+              const uint2 p0 = s_pwh[(grp * GQ + mn) * PWR + tk / 2];
+              const uint2 p1 = s_pwh[(grp * GQ + mn) * PWR + tk / 2 + 4];
               const uint32_t bh[2] = {p0.x, p1.x}, bl[2] = {p0.y, p1.y};
               uint32_t lo[4], hi[4], a[4];  // row j's words of channels 16m + mr, + 8
               VQ_UNROLL
@@ -774,18 +798,11 @@ VQ_FN void vq_kivi_a(uint32_t (&a)[4], const uint32_t (&lo)[4], const uint32_t (
     a[3] = vq_codes_half2(y[2], y[3], 0x5410u, MASK);
   }
 }
-// N consecutive words of codes in threadgroup memory (N = 2 or 4: 8 or 16 bytes, aligned)
+// two consecutive words of codes in threadgroup memory (8 bytes, aligned)
 VQ_FN void vq_kivi_words(uint32_t (&out)[2], const uint32_t* p) {
   const uint2 x = *reinterpret_cast<const uint2*>(p);
   out[0] = x.x;
   out[1] = x.y;
-}
-VQ_FN void vq_kivi_words(uint32_t (&out)[4], const uint32_t* p) {
-  const uint4 x = *reinterpret_cast<const uint4*>(p);
-  out[0] = x.x;
-  out[1] = x.y;
-  out[2] = x.z;
-  out[3] = x.w;
 }
 #endif
 """
