@@ -125,6 +125,8 @@ def threadgroup_bytes(lay: Layout, mma: bool = False) -> int:
 
 
 def _mma_fixed_bytes(lay: Layout) -> int:
+    """The tensor-core kernel's arrays but its staged tiles: the scaled queries, the block
+    biases, the scores and softmax state, q·s and p·s as padded rows of f16 pairs."""
     d, gq, blocks = lay.head_dim, lay.queries_per_kv, TILE // lay.group_size
     groups = d // lay.group_size
     floats = gq * d + blocks * gq + gq * TILE + 3 * gq
