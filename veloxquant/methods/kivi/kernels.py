@@ -79,7 +79,7 @@ MMA = True
 # (90 before them: 4-way bank conflicts), while 2/2 is faster, 84 against 116 us
 # (benchmarks/results/kivi-padding-h100.txt, kivi-mma-h100.txt).
 MMA_BITS = (2,)
-# the tensor-core kernel's registers (104 under NVRTC for sm_90a, 118 for sm_80) allow 4
+# the tensor-core kernel's registers (102 under NVRTC for sm_90a, 125 for sm_80, KIVI-2) allow 4
 # threadgroups per multiprocessor; the splits of a cache with any tensor-core launch are sized
 # for them
 MMA_GROUPS_PER_MULTIPROCESSOR = 4
