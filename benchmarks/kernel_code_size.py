@@ -161,7 +161,7 @@ def one_launch_report(tag: str, kernels, work: Path) -> None:
         vk.backend, vk.cuda_multiprocessors = backend, count
     if len(a["sources"]) != 1:
         raise SystemExit(f"{kernels.__file__}: the step is not one launch (ONE_LAUNCH off?)")
-    src = one_launch_stamped(a["sources"][0])
+    src = one_launch_stamped(a["sources"][0], merge=False)  # its four stamps, in code order
     outputs = ["float32", dtype_name(qs[0].dtype), "uint32", "uint32"]
     tu = src.cuda_translation_unit([dtype_name(x.dtype) for x in a["partial"]], outputs)
     used, sass = compile_and_read(tu, work, tag.replace(" ", "_"))

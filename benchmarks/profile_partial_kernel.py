@@ -352,32 +352,51 @@ def timeline(args) -> None:
                 _report_timeline(st, a["n_splits"])
 
 
-# The one-launch kernel (CUDA's default, tensor cores on): five globaltimer stamps per
+# The one-launch kernel (CUDA's default, tensor cores on): nine globaltimer stamps per
 # threadgroup by thread 0, and its SM. 0: start; 1: its split done, before the count that picks
 # the last threadgroup per KV head; 2: after that threadgroup's merge; 3: the end (after the
 # exact threadgroup's encode); 4: a coded threadgroup's tile loop starts (its setup done: the
 # codebook copies, q~ and the phase coefficients; 0 in the exact threadgroups, which have none).
+# Then the merge's own phases (ONE_MERGE_STAMPS; 5 in every group, 6-8 in the merging one only):
+# 5: the count read (fence, count, barrier); 6: the first chunk's maxima and sums loaded; 7: the
+# heads' largest maxima known, the exact part's rows in flight; 8: the splits' output rows summed.
 ONE_STAMPS = (
     ("  VQ_SHARED int s_last;\n", 1),
     ("  if (split == n_splits && iparams[EP] > 0) {", 2),
 )
 ONE_LOOP_STAMP = ("    for (int tile = t_begin; tile < t_end; tile += TT) {\n", 4)
-NSTAMP1 = 5
+ONE_MERGE_STAMPS = (
+    ("  VQ_TG float* s_tail = reinterpret_cast<VQ_TG float*>(s_big);\n", 5),
+    ("  // each head's largest max:", 6),
+    ("  for (int c0 = 0; c0 < n_splits; c0 += ", 7),
+    ("    // each head's sum, by one SIMD group", 8),
+)
+NSTAMP1 = 9
+MERGE_PHASES = (  # (name, stamp from, stamp to) of the merging group
+    ("fence and count", 1, 5),
+    ("maxima and sums loaded", 5, 6),
+    ("largest maxima", 6, 7),
+    ("weights, rows summed", 7, 8),
+    ("sums, Hadamard, output", 8, 2),
+)
 _ONE_STAMP_MACRO = r"""
 #define VQ_STAMP1(k) if (vq_tid == 0) { \
   unsigned long long gt_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt_)); \
-  tstamp[((int)vq_gy * (int)gridDim.x + (int)vq_gx) * 10 + 2 * (k)] = (uint32_t)gt_; \
-  tstamp[((int)vq_gy * (int)gridDim.x + (int)vq_gx) * 10 + 2 * (k) + 1] = (uint32_t)(gt_ >> 32); }
+  const int at_ = ((int)vq_gy * (int)gridDim.x + (int)vq_gx) * (2 * NSTAMP1) + 2 * (k); \
+  tstamp[at_] = (uint32_t)gt_; \
+  tstamp[at_ + 1] = (uint32_t)(gt_ >> 32); }
 """
 
 
-def one_launch_stamped(src, loop: bool = False):
-    """The one-launch KernelSource `src` with the four stamps (and with `loop` the tile loop's
-    start, stamp 4: the tensor-core path only) and two more outputs: `tstamp` (uint32 [group,
+def one_launch_stamped(src, loop: bool = False, merge: bool = True):
+    """The one-launch KernelSource `src` with the stamps of ONE_STAMPS and (with `merge`)
+    ONE_MERGE_STAMPS (and with `loop` the tile loop's start, stamp 4: the tensor-core path only)
+    and two more outputs: `tstamp` (uint32 [group,
     NSTAMP1 stamps, (low, high) word of the globaltimer's ns]) and `smid` (uint32 per group,
     the SM it ran on)."""
     body = src.body
-    for text, k in (*ONE_STAMPS, ONE_LOOP_STAMP) if loop else ONE_STAMPS:
+    stamps = (*ONE_STAMPS, *ONE_MERGE_STAMPS) if merge else ONE_STAMPS
+    for text, k in (*stamps, ONE_LOOP_STAMP) if loop else stamps:
         if body.count(text) != 1:
             raise SystemExit(f"the one-launch source no longer has exactly one {text!r}")
         body = body.replace(text, f"  VQ_STAMP1({k});\n{text}")
@@ -386,7 +405,8 @@ def one_launch_stamped(src, loop: bool = False):
         '    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));\n'
         "    smid[(int)vq_gy * (int)gridDim.x + (int)vq_gx] = sm_;\n  }\n"
     )
-    body = _ONE_STAMP_MACRO + "  VQ_STAMP1(0);\n" + sm + body + "\n  VQ_STAMP1(3);\n"
+    macro = _ONE_STAMP_MACRO.replace("NSTAMP1", str(NSTAMP1))
+    body = macro + "  VQ_STAMP1(0);\n" + sm + body + "\n  VQ_STAMP1(3);\n"
     return dataclasses.replace(src, outputs=(*src.outputs, "tstamp", "smid"), body=body)
 
 
@@ -431,6 +451,9 @@ def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int) -> None:
     print(f"      exact groups' part    {q((done - start)[exact])}  (done at {q(done[exact])})")
     print(f"      merge, last group     {q(merge)}  (the last group is exact in "
           f"{int((last == n_splits).sum())} of {len(last)} heads)")  # fmt: skip
+    heads = np.arange(len(last))
+    for name, a, b in MERGE_PHASES:  # the merging group's (one per KV head)
+        print(f"        {name:<22}{q((t[..., b] - t[..., a])[heads, last])}")
     print(f"      encode, exact groups  {q((end - merged)[exact])}")
     print(f"      end                   {q(end)}")
 
