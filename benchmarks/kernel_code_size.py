@@ -153,12 +153,13 @@ def one_launch_report(tag: str, kernels, work: Path) -> None:
 
     backend, vk.backend = vk.backend, lambda: "cuda"  # the one launch is CUDA's
     count, vk.cuda_multiprocessors = vk.cuda_multiprocessors, lambda: 132  # an H100 / H200's
+    shared, vk.cuda_shared_memory = vk.cuda_shared_memory, lambda: (233472, 1024)
     try:
         caches, qs, pend = decode_inputs(16384, 1, 1, H, G, D)
         caches[0]._reserve_codes(1)  # room for the in-place encode, as fused_attention makes
         a = kernels.attention_inputs(caches[0], qs[0], 1 / math.sqrt(D), pend[0])
     finally:
-        vk.backend, vk.cuda_multiprocessors = backend, count
+        vk.backend, vk.cuda_multiprocessors, vk.cuda_shared_memory = backend, count, shared
     if len(a["sources"]) != 1:
         raise SystemExit(f"{kernels.__file__}: the step is not one launch (ONE_LAUNCH off?)")
     src = one_launch_stamped(a["sources"][0], merge=False)  # its four stamps, in code order

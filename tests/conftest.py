@@ -38,11 +38,13 @@ def _attention_dispatch_as_found():
 @pytest.fixture(autouse=True)
 def _cuda_multiprocessors_of_the_timed_card(monkeypatch):
     """Tests that stand in a CUDA backend on this CPU machine (`backend()` patched) split one
-    query's work as on the H100 / H200 the kernels were timed on, 132 multiprocessors: there is
-    no CUDA driver here to count them (tests/test_kernels.py asks the real one)."""
+    query's work as on the H100 / H200 the kernels were timed on, 132 multiprocessors of 228 KB
+    of shared memory (1 KB of it kept per threadgroup): there is no CUDA driver here to ask
+    (tests/test_kernels.py asks the real one)."""
     import veloxquant.kernels as vk
 
     monkeypatch.setattr(vk, "cuda_multiprocessors", lambda: 132)
+    monkeypatch.setattr(vk, "cuda_shared_memory", lambda: (233472, 1024))
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ from veloxquant.calibrate import calibrate
 from veloxquant.codes import unpack_codes
 from veloxquant.kernels import backend, check_metal_source
 from veloxquant.kernels import cuda_multiprocessors as driver_multiprocessors  # conftest stubs it
+from veloxquant.kernels import cuda_shared_memory as driver_shared_memory  # ... and this
 from veloxquant.methods.vecinfer import VecInferCache
 from veloxquant.methods.vecinfer import kernels as K
 
@@ -615,11 +616,62 @@ def test_splits_fill_one_wave_of_the_gpu_s_multiprocessors(monkeypatch):
         assert groups <= kivi.GROUPS_PER_MULTIPROCESSOR * sms
     monkeypatch.setattr(K, "TARGET_GROUPS", 1056)
     assert K.target_groups() == 1056
-    # the driver's count: a positive int on a CUDA machine, else an error that names the fix
-    try:
-        assert driver_multiprocessors() > 0
-    except RuntimeError as e:
-        assert "TARGET_GROUPS" in str(e)
+    # the driver's count and shared memory: positive ints on a CUDA machine, else an error
+    # that names the fix
+    for ask in (driver_multiprocessors, lambda: min(driver_shared_memory()) + 1):
+        try:
+            assert ask() > 0
+        except RuntimeError as e:
+            assert "TARGET_GROUPS" in str(e)
+
+
+@pytest.mark.parametrize(
+    "card, sms, shared, vecinfer, kivi_cores, kivi_tensor",
+    [  # threadgroups per multiprocessor the card's shared memory holds (228 / 164 / 100 KB)
+        ("H100", 132, 233472, 4, 6, 4),
+        ("A100", 108, 167936, 3, 6, 4),
+        ("RTX 4090", 128, 102400, 2, 4, 2),
+    ],
+)
+def test_splits_fit_the_card_s_shared_memory(
+    card, sms, shared, vecinfer, kivi_cores, kivi_tensor, monkeypatch
+):
+    """One wave is as many threadgroups as a multiprocessor holds at once: the launch bounds'
+    count (4 for VecInfer's one launch, KIVI's 6 or 4), or fewer where the card's shared memory
+    holds fewer of the kernel's threadgroups (43 KB for the 8B shape's VecInfer layout): an
+    A100 aimed at 4 ran a third of its groups in a second wave."""
+    import veloxquant.kernels as vk
+    import veloxquant.methods.kivi.kernels as kivi
+
+    c, normal = _random_cache(OTHER_LAYOUTS[0])  # the 8B shape's default layout
+    h, d = c.smooth.shape
+    c.update_and_fetch(normal(1, h, 300, d), normal(1, h, 300, d))
+    mx.eval(c.fused_attention(normal(1, h, 300, d), scale=0.1))
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a CUDA card's decode step, from here
+    monkeypatch.setattr(vk, "cuda_multiprocessors", lambda: sms)
+    monkeypatch.setattr(vk, "cuda_shared_memory", lambda: (shared, 1024))
+    c.update_and_fetch(normal(1, h, 1, d), normal(1, h, 1, d))
+    c._reserve_codes(1)
+    r = K.TOKENS_PER_THREAD
+    lay = K.layout_of(c, 4 * h)
+    nbytes = K.threadgroup_bytes(lay, r, True)
+    assert K.mma_takes(lay, r) and 40000 < nbytes < 45000
+    assert K.target_groups(nbytes) == vecinfer * sms
+    assert K.target_groups() == K.GROUPS_PER_MULTIPROCESSOR * sms  # no bytes: the bounds
+    # a decode step aims its splits at the one-launch kernel's own threadgroup bytes
+    asked = []
+    monkeypatch.setattr(K, "target_groups", lambda b=0: asked.append(b) or 528)
+    a = K.attention_inputs(c, normal(1, 4 * h, 1, d), 0.1, c._pending)
+    assert len(a["sources"]) == 1 and asked == [nbytes]
+    # KIVI's partial launches, on the CUDA cores and on the tensor cores (2-bit keys and values)
+    klay = kivi.Layout(head_dim=128, group_size=32, key_bits=2, value_bits=2, queries_per_kv=4)
+    n_blocks, heads = 65536 // 32, 8
+    for mma, per, bound in ((False, kivi_cores, 6), (True, kivi_tensor, 4)):
+        tiles = kivi.split_tiles(
+            n_blocks, 32, heads, None, bound, kivi.threadgroup_bytes(klay, mma)
+        )
+        assert -(-n_blocks * 32 // kivi.TILE // tiles) * heads <= per * sms
+        assert kivi.split_tiles(n_blocks, 32, heads, per * sms) == tiles, card
 
 
 def test_each_launch_takes_the_cache_s_previous_output(monkeypatch):

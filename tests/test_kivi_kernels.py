@@ -326,14 +326,22 @@ def test_by_default_only_2_bit_layouts_take_the_tensor_cores(monkeypatch):
     "head_bits", [[[2, 2]] * 8, [[2, 4], [4, 2]] * 4, [[2, 2]] * 6 + [[4, 4]] * 2]
 )
 @pytest.mark.parametrize("mma", [True, False])
-def test_the_largest_partial_launch_is_one_wave(head_bits, mma, monkeypatch):
+@pytest.mark.parametrize(
+    "sms, shared, fit_cores, fit_tensor",  # shared memory: an H100's 228 KB, an RTX 4090's 100,
+    [(132, 233472, 6, 4), (128, 102400, 6, 2), (40, 65536, 4, 1)],  # a T4's 64
+)
+def test_the_largest_partial_launch_is_one_wave(
+    head_bits, mma, sms, shared, fit_cores, fit_tensor, monkeypatch
+):
     # a tile takes about as long whatever else its multiprocessor runs, so a launch is fastest
     # as one wave of as many threadgroups as fit (KIVI-2 at 64K on an H100: 116.5 us in 704
-    # threadgroups, 141.6 in 1032, benchmarks/results/kivi-splits-h100.txt); a mixed
-    # allocation's launches each take only their own heads
+    # threadgroups, 141.6 in 1032, benchmarks/results/kivi-splits-h100.txt), by registers or,
+    # on a card with less shared memory, by that; a mixed allocation's launches each take
+    # only their own heads
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
     monkeypatch.setattr(K, "backend", lambda: "cuda")
-    monkeypatch.setattr(vk, "cuda_multiprocessors", lambda: 132)
+    monkeypatch.setattr(vk, "cuda_multiprocessors", lambda: sms)
+    monkeypatch.setattr(vk, "cuda_shared_memory", lambda: (shared, 1024))
     monkeypatch.setattr(K, "MMA", mma)
     grids = []
 
@@ -350,7 +358,7 @@ def test_the_largest_partial_launch_is_one_wave(head_bits, mma, monkeypatch):
     # the tensor cores' kernel holds fewer threadgroups per multiprocessor (by default it takes
     # the 2-bit layouts only: [[2, 4], [4, 2]] stays on the CUDA cores)
     tensor = mma and [2, 2] in head_bits
-    slots = (K.MMA_GROUPS_PER_MULTIPROCESSOR if tensor else K.GROUPS_PER_MULTIPROCESSOR) * 132
+    slots = (fit_tensor if tensor else fit_cores) * sms
     for n_tok in (65536, 131072):
         # a pending update over n_tok stored tokens: the launches are stubs, so one row of each
         # store array stands in for the rest

@@ -417,45 +417,76 @@ def backend() -> str | None:
     return None
 
 
-# CUdevice_attribute CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT (the CUDA driver's cuda.h)
+# CUdevice_attribute values (the CUDA driver's cuda.h)
 _CU_MULTIPROCESSOR_COUNT = 16
+_CU_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81
+_CU_RESERVED_SHARED_MEMORY_PER_BLOCK = 111
+_TARGET_FIX = "set TARGET_GROUPS in veloxquant.methods.vecinfer.kernels and .kivi.kernels to an int"
 
 
-@functools.lru_cache(maxsize=1)
-def cuda_multiprocessors() -> int:
-    """Streaming multiprocessors of CUDA device 0, the GPU MLX runs on (CUDA_VISIBLE_DEVICES
-    picks the card), read from the CUDA driver once: MLX does not report it, and the decode
-    kernels split one query's work into whole waves of threadgroups over them."""
-    fix = "set TARGET_GROUPS in veloxquant.methods.vecinfer.kernels and .kivi.kernels to an int"
+@functools.lru_cache(maxsize=8)
+def _cuda_attribute(attribute: int, what: str, least: int) -> int:
+    """CUDA device 0's `attribute` (the GPU MLX runs on: CUDA_VISIBLE_DEVICES picks the card),
+    read from the CUDA driver once; an error that names the fix where it is below `least`."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:
         raise RuntimeError(
-            f"cannot load the CUDA driver to count multiprocessors ({e}); {fix}"
+            f"cannot load the CUDA driver to read the {what} ({e}); {_TARGET_FIX}"
         ) from e
-    device, count = ctypes.c_int(0), ctypes.c_int(0)
+    device, value = ctypes.c_int(0), ctypes.c_int(-1)
     status = lib.cuInit(0)
     if status == 0:
         status = lib.cuDeviceGet(ctypes.byref(device), 0)
     if status == 0:
-        status = lib.cuDeviceGetAttribute(ctypes.byref(count), _CU_MULTIPROCESSOR_COUNT, device)
-    if status != 0 or count.value <= 0:
+        status = lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, device)
+    if status != 0 or value.value < least:
         raise RuntimeError(
-            f"the CUDA driver did not give device 0's multiprocessor count (CUresult {status}, "
-            f"count {count.value}); {fix}"
+            f"the CUDA driver did not give device 0's {what} (CUresult {status}, value "
+            f"{value.value}); {_TARGET_FIX}"
         )
-    return count.value
+    return value.value
 
 
-def split_target(override: int | None, per_multiprocessor: int, elsewhere: int) -> int:
+def cuda_multiprocessors() -> int:
+    """Streaming multiprocessors of CUDA device 0, from the CUDA driver: MLX does not report it,
+    and the decode kernels split one query's work into whole waves of threadgroups over them."""
+    return _cuda_attribute(_CU_MULTIPROCESSOR_COUNT, "multiprocessor count", 1)
+
+
+def cuda_shared_memory() -> tuple[int, int]:
+    """(bytes of shared memory one multiprocessor of CUDA device 0 can give its threadgroups,
+    bytes the driver keeps per threadgroup), from the CUDA driver: 228 KB and 1 KB on an H100 or
+    H200, 164 KB on an A100, 100 KB on an RTX 4090."""
+    return (
+        _cuda_attribute(_CU_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, "shared memory per SM", 1),
+        _cuda_attribute(_CU_RESERVED_SHARED_MEMORY_PER_BLOCK, "reserved shared memory", 0),
+    )
+
+
+def resident_groups(bound: int, threadgroup_bytes: int) -> int:
+    """Threadgroups with `threadgroup_bytes` of threadgroup memory that one multiprocessor of
+    the CUDA GPU runs at once: `bound` (the kernel's launch bounds, which hold its registers to
+    that many), or fewer where the card's shared memory holds fewer."""
+    per_multiprocessor, reserved = cuda_shared_memory()
+    return max(1, min(bound, per_multiprocessor // (threadgroup_bytes + reserved)))
+
+
+def split_target(
+    override: int | None, per_multiprocessor: int, elsewhere: int, threadgroup_bytes: int = 0
+) -> int:
     """Threadgroups one decode query's splits aim for: `override` when set, else
-    `per_multiprocessor` on each of the CUDA GPU's multiprocessors (whole waves: a fixed count
-    is a fraction of a wave on another card, whose last groups then run alone), or `elsewhere`
-    (Metal)."""
+    `per_multiprocessor` on each of the CUDA GPU's multiprocessors, or as many of a launch's
+    threadgroups of `threadgroup_bytes` as one holds at once where that is fewer (whole waves:
+    a count past what the card runs at once leaves its last groups running alone), or
+    `elsewhere` (Metal)."""
     if override is not None:
         return override
     if backend() == "cuda":
-        return per_multiprocessor * cuda_multiprocessors()
+        per = per_multiprocessor
+        if threadgroup_bytes:
+            per = resident_groups(per, threadgroup_bytes)
+        return per * cuda_multiprocessors()
     return elsewhere
 
 

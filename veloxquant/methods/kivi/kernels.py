@@ -997,14 +997,16 @@ def split_tiles(
     n_heads: int,
     target: int | None = None,
     per_multiprocessor: int | None = None,
+    threadgroup_bytes: int = 0,
 ) -> int:
     """Tiles of the store per split: enough splits for about `target` threadgroups over a
     launch of `n_heads` KV heads (default TARGET_GROUPS, read at call time so a benchmark can
     sweep it; where None, `per_multiprocessor` (default GROUPS_PER_MULTIPROCESSOR) per CUDA
-    multiprocessor, 1056 on Metal)."""
+    multiprocessor, or as many threadgroups of `threadgroup_bytes` as one holds where the
+    card's shared memory holds fewer; 1056 on Metal)."""
     if target is None:
         per = per_multiprocessor or GROUPS_PER_MULTIPROCESSOR
-        target = split_target(TARGET_GROUPS, per, 1056)
+        target = split_target(TARGET_GROUPS, per, 1056, threadgroup_bytes)
     n_tiles = -(-n_blocks * group_size // TILE)
     if n_tiles == 0:
         return 1
@@ -1122,7 +1124,9 @@ def decode_attention(cache: Any, queries: mx.array, scale: float, pending: dict)
     tensor = [use_mma(lay) for lay in lays]
     # every launch takes the same splits (the combine reads one count)
     fit = MMA_GROUPS_PER_MULTIPROCESSOR if any(tensor) else GROUPS_PER_MULTIPROCESSOR
-    per = split_tiles(n_blocks, cache.group_size, launch_heads(cache, n_q), per_multiprocessor=fit)
+    nbytes = max(threadgroup_bytes(lay, mma) for lay, mma in zip(lays, tensor, strict=True))
+    heads = launch_heads(cache, n_q)
+    per = split_tiles(n_blocks, cache.group_size, heads, None, fit, nbytes)
     n_tiles = -(-n_blocks * cache.group_size // TILE)
     n_splits = -(-n_tiles // per)
     parts = []

@@ -2705,10 +2705,12 @@ def _dummy(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     return _CONSTS[key]
 
 
-def target_groups() -> int:
-    """TARGET_GROUPS, or where it is None, GROUPS_PER_MULTIPROCESSOR per CUDA multiprocessor
-    (528 on Metal). Read at call time, so that a benchmark can sweep it."""
-    return split_target(TARGET_GROUPS, GROUPS_PER_MULTIPROCESSOR, 528)
+def target_groups(threadgroup_bytes: int = 0) -> int:
+    """TARGET_GROUPS, or where it is None, GROUPS_PER_MULTIPROCESSOR per CUDA multiprocessor, or
+    as many threadgroups of `threadgroup_bytes` as one holds at once where the card's shared
+    memory holds fewer (an A100's 164 KB hold 3 of the 8B shape's 43 KB; 528 on Metal). Read at
+    call time, so that a benchmark can sweep it."""
+    return split_target(TARGET_GROUPS, GROUPS_PER_MULTIPROCESSOR, 528, threadgroup_bytes)
 
 
 def split_tokens(n_coded: int, n_kv_heads: int, r: int, target: int | None = None) -> int:
@@ -2745,7 +2747,21 @@ def attention_inputs(
     h = lay.n_kv_heads
     n_coded = int(pending["n_coded"])
     r = TOKENS_PER_THREAD if r is None else r
-    tps = split_tokens(n_coded, h, r)
+    encode = pending.get("encode")  # (ring slot, position) of the token leaving the window
+    in_place = encode is not None and WRITE_IN_PLACE
+    if one_launch is None:  # memoised: the kernels only run on the one GPU backend there is
+        one_launch = memo.get(("one", r, ONE_LAUNCH))
+        if one_launch is None:
+            one_launch = memo[("one", r, ONE_LAUNCH)] = takes_one_launch(lay, r)
+    one = one_launch
+    if one and lay.head_dim > TILE:
+        raise ValueError(f"one launch needs head_dim <= {TILE}, not {lay.head_dim}")
+    one = one and (encode is None or in_place)
+    # the splits fill one wave of the launch's threadgroups: as many as the card holds at once
+    nbytes = memo.get(("bytes", r, one, MMA))
+    if nbytes is None:
+        nbytes = memo[("bytes", r, one, MMA)] = threadgroup_bytes(lay, r, one)
+    tps = split_tokens(n_coded, h, r, target_groups(nbytes))
     n_splits = -(-n_coded // tps) if n_coded else 0
     const = layer_constants(cache, r)
     kbuf, vbuf = cache._kbuf, cache._vbuf
@@ -2769,7 +2785,6 @@ def attention_inputs(
     nk, nv = pending["new"]
     iparams = [n_coded, cache.sinks, tps, n_sink, n_win, int(nk.shape[2])]
     iparams += [int(kbuf.shape[2]), int(wk.shape[2])]
-    encode = pending.get("encode")  # (ring slot, position) of the token leaving the window
     if encode is not None:
         iparams += [1, encode[0], int(wk.shape[2]), encode[1]]
     else:
@@ -2778,15 +2793,6 @@ def attention_inputs(
     iparams = _int_params(iparams)
     last = cache._last_launch
     last = last if last is not None else _dummy((8,), queries.dtype)
-    in_place = encode is not None and WRITE_IN_PLACE
-    if one_launch is None:  # memoised: the kernels only run on the one GPU backend there is
-        one_launch = memo.get(("one", r, ONE_LAUNCH))
-        if one_launch is None:
-            one_launch = memo[("one", r, ONE_LAUNCH)] = takes_one_launch(lay, r)
-    one = one_launch
-    if one and lay.head_dim > TILE:
-        raise ValueError(f"one launch needs head_dim <= {TILE}, not {lay.head_dim}")
-    one = one and (encode is None or in_place)
     if one and n_splits and int(kbuf.shape[2]) % 16 and mma_takes(lay, r):
         raise ValueError(
             f"vecinfer: the code buffers hold {int(kbuf.shape[2])} tokens, not a multiple of 16, "
