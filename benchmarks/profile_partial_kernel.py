@@ -391,9 +391,8 @@ _ONE_STAMP_MACRO = r"""
 def one_launch_stamped(src, loop: bool = False, merge: bool = True):
     """The one-launch KernelSource `src` with the stamps of ONE_STAMPS and (with `merge`)
     ONE_MERGE_STAMPS (and with `loop` the tile loop's start, stamp 4: the tensor-core path only)
-    and two more outputs: `tstamp` (uint32 [group,
-    NSTAMP1 stamps, (low, high) word of the globaltimer's ns]) and `smid` (uint32 per group,
-    the SM it ran on)."""
+    and two more outputs: `tstamp` (uint32 [group, NSTAMP1 stamps, (low, high) word of the
+    globaltimer's ns]) and `smid` (uint32 per group, the SM it ran on)."""
     body = src.body
     stamps = (*ONE_STAMPS, *ONE_MERGE_STAMPS) if merge else ONE_STAMPS
     for text, k in (*stamps, ONE_LOOP_STAMP) if loop else stamps:

@@ -638,8 +638,8 @@ def test_splits_fit_the_card_s_shared_memory(
 ):
     """One wave is as many threadgroups as a multiprocessor holds at once: the launch bounds'
     count (4 for VecInfer's one launch, KIVI's 6 or 4), or fewer where the card's shared memory
-    holds fewer of the kernel's threadgroups (43 KB for the 8B shape's VecInfer layout): an
-    A100 aimed at 4 ran a third of its groups in a second wave."""
+    holds fewer of the kernel's threadgroups (43 KB for the 8B shape's VecInfer layout): aimed
+    at 4, an A100 would run a quarter of them in a second wave, an RTX 4090 half."""
     import veloxquant.kernels as vk
     import veloxquant.methods.kivi.kernels as kivi
 
