@@ -16,11 +16,12 @@ loop's instructions once per tile took longer than its arithmetic on the H200
 (benchmarks/results/instruction-fetch-h200.txt), so code size is worth watching.
 
 `--one-launch` reports the one-launch kernel instead (the decode steps' kernel on CUDA), with
-`profile_partial_kernel.py timeline-one`'s stamps: the bytes of its merge and the runs of global
-loads between two branches there, which bound the loads a thread has in flight, and the
-instructions each SIMD group issues per tile of the coded tokens' loop, by kind (their count
-times the cycles per issue is the split's time, benchmarks/results/mma-tile-loop-sass-cpu.md)
-(`--constants COMBINE_FLOAT4=0` and the like set this tree's kernels module first).
+`profile_partial_kernel.py timeline-one`'s stamps: the bytes of its merge (and of each phase of
+it that timeline-one times) and the runs of global loads between two branches there, which
+bound the loads a thread has in flight, and the instructions each SIMD group issues per tile
+of the coded tokens' loop, by kind (their count times the cycles per issue is the split's time,
+benchmarks/results/mma-tile-loop-sass-cpu.md) (`--constants COMBINE_FLOAT4=0` and the like set
+this tree's kernels module first).
 
 Needs cuobjdump (and for `--nvcc`, nvcc) on PATH or in $CUDA_HOME/bin; the `nvidia-cuda-cuobjdump`
 wheel has one, and cuobjdump -sass runs nvdisasm (`pip install nvidia-cuda-cuobjdump
@@ -49,7 +50,7 @@ from tests import nvrtc  # noqa: E402
 from ab_kernel_revisions import load_baseline
 from ncu_source_stalls import tile_loop
 from bench_kernels import decode_inputs
-from profile_partial_kernel import STAMP_NAMES, stamped_source
+from profile_partial_kernel import MERGE_PHASES, ONE_MERGE_STAMPS, STAMP_NAMES, stamped_source
 from veloxquant.kernels import dtype_name
 from veloxquant.methods.vecinfer import kernels as current
 
@@ -162,7 +163,7 @@ def one_launch_report(tag: str, kernels, work: Path) -> None:
         vk.backend, vk.cuda_multiprocessors, vk.cuda_shared_memory = backend, count, shared
     if len(a["sources"]) != 1:
         raise SystemExit(f"{kernels.__file__}: the step is not one launch (ONE_LAUNCH off?)")
-    src = one_launch_stamped(a["sources"][0], merge=False)  # its four stamps, in code order
+    src = one_launch_stamped(a["sources"][0])
     outputs = ["float32", dtype_name(qs[0].dtype), "uint32", "uint32"]
     tu = src.cuda_translation_unit([dtype_name(x.dtype) for x in a["partial"]], outputs)
     used, sass = compile_and_read(tu, work, tag.replace(" ", "_"))
@@ -170,9 +171,7 @@ def one_launch_report(tag: str, kernels, work: Path) -> None:
         (int(m.group(1), 16), m.group(2))
         for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)
     ]
-    stamps = [at for at, ins in code if "SR_GLOBALTIMER" in ins]
-    if len(stamps) != 4:
-        raise SystemExit(f"expected the 4 timeline-one stamps in the SASS, found {len(stamps)}")
+    stamps = one_launch_stamp_addresses(code)
     runs, run = [], [0, 0]  # global loads between two branches: [all, 128-bit]
     for at, ins in code:
         if not stamps[1] <= at < stamps[2]:
@@ -188,7 +187,29 @@ def one_launch_report(tag: str, kernels, work: Path) -> None:
     print(f"  {code[-1][0] + 16} bytes of SASS; the merge (split done -> merged) "
           f"{stamps[2] - stamps[1]} bytes; its longest runs of global loads between two branches: "
           + ", ".join(f"{n} ({w} of 128 bits)" for n, w in runs))  # fmt: skip
+    print("  the merge's phases (timeline-one's names), bytes: " + ", ".join(
+        f"{name} {stamps[b] - stamps[a]}" for name, a, b in MERGE_PHASES))  # fmt: skip
     tile_loop_report(code, 32 * a["r"])
+
+
+def one_launch_stamp_addresses(code: list[tuple[int, str]]) -> dict[int, int]:
+    """{stamp slot: code address} of the one-launch kernel's timeline-one stamps: each reads the
+    global timer, then stores it at its slot's offset (8 bytes a slot) into `tstamp`."""
+    found = {}
+    for i, (at, ins) in enumerate(code):
+        if "SR_GLOBALTIMER" not in ins:
+            continue
+        for _, store in code[i : i + 40]:
+            m = re.search(r"STG\.E\S*\s+desc\[\w+\]\[R\d+\.64(?:\+0x([0-9a-f]+))?\]", store)
+            if m:
+                found[int(m.group(1) or "0", 16) // 8] = at
+                break
+    want = {0, 1, 2, 3, *(k for _, k in ONE_MERGE_STAMPS)}
+    if set(found) != want:
+        raise SystemExit(
+            f"expected timeline-one's stamps {sorted(want)} in the SASS, found {found}"
+        )
+    return found
 
 
 def tile_loop_report(code: list[tuple[int, str]], tokens_per_warp: int) -> None:
