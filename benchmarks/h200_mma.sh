@@ -34,6 +34,9 @@
 #                                       # the tensor cores), built here from this tree.
 #                                       # NCU_CONTEXTS (default "65536 131072") picks the ncu
 #                                       # contexts
+#   bash benchmarks/h200_mma.sh phases  # the merge's phases (timeline-one), ncu's breakdown of
+#                                       # the units one 64K launch keeps busy, the merge's rows
+#                                       # in flight 32 / 64 against 16
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -236,6 +239,34 @@ loop)
   echo "== greedy tokens, fused against transient"
   timeout 100 python benchmarks/check_fused_generation.py \
     --random-weights benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/check.txt"
+  ;;
+phases)
+  # the merge's phases (timeline-one's stamps) at 16K / 64K / 128K; which unit bounds one
+  # launch in a real 64K step (ncu's breakdown of the L1/TEX and SM throughputs); the merge
+  # with 32 and 64 output rows in flight per thread (COMBINE_LOADS4) against 16; the merge
+  # without its row loads
+  P="python benchmarks/profile_partial_kernel.py timeline-one"
+  echo "== timeline-one, this tree"
+  timeout 100 $P --contexts 16384 65536 131072 2>&1 | tee "$OUT/phases.txt"
+  echo "== ncu breakdown, one launch in a real 64K step"
+  m=breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active
+  m=$m,breakdown:sm__throughput.avg.pct_of_peak_sustained_active
+  m=$m,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+  m=$m,l1tex__data_pipe_lsu_wavefronts.sum,smsp__inst_executed_pipe_lsu.sum,smsp__inst_executed.sum
+  m=$m,sm__cycles_active.avg,gpu__time_duration.sum
+  timeout 150 ncu --profile-from-start off --clock-control base --cache-control none -k regex:attn_ \
+    --launch-skip 40 --launch-count 1 --metrics "$m" \
+    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+    --context 65536 --repeats 1 --steps 2 > "$OUT/breakdown.txt" 2>&1
+  grep -vE "^==PROF==|^\s*$" "$OUT/breakdown.txt" | tail -n 45
+  for n in 32 64; do
+    sed "s/^COMBINE_LOADS4 = 16$/COMBINE_LOADS4 = $n/" "$K" > "/tmp/rows${n}_kernels.py"
+    grep -q "^COMBINE_LOADS4 = $n$" "/tmp/rows${n}_kernels.py" || { echo "sed failed" >&2; exit 2; }
+    echo "== timeline-one, COMBINE_LOADS4 = $n"
+    timeout 45 $P --contexts 65536 --kernels "/tmp/rows${n}_kernels.py" 2>&1
+  done
+  echo "== timeline-one, the merge without its row loads"
+  timeout 45 $P --contexts 65536 --cut no-rows 2>&1
   ;;
 costs)
   specs=$(python benchmarks/cost_arms.py /tmp) || exit 2
