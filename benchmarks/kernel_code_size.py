@@ -106,26 +106,37 @@ def compile_and_read(source: str, work: Path, tag: str) -> tuple[str, str]:
     return (used[0] if used else "?"), sass
 
 
-def phase_bytes(sass: str) -> list[tuple[int, str]]:
-    """(code address, stamp name) of every timeline stamp, in code order: each stamp reads
+def stamp_slots(sass: str) -> list[tuple[int, int | None]]:
+    """(code address, slot) of every timeline stamp, in code order: each stamp reads
     %globaltimer (CS2R ... SR_GLOBALTIMERLO) and stores it at slot k's offset, 8·k bytes into
-    the group's row (per-tile slots use a computed address: named by the tile's first slot)."""
+    the group's row (None where no such store follows)."""
     lines = sass.splitlines()
-    marks, per_tile = [], iter(["tile phase table", "tile scores", "tile softmax", "tile values"])
+    marks = []
     for i, line in enumerate(lines):
         if "SR_GLOBALTIMERLO" not in line:
             continue
         at = int(re.search(r"/\*([0-9a-f]+)\*/", line).group(1), 16)
-        name = "?"
+        slot = None
         for later in lines[i : i + 60]:
             store = re.search(r"STG\.E .*?\[R\d+\.64(?:\+0x([0-9a-f]+))?\], R\d+ ;", later)
             if store:
-                offset = int(store.group(1), 16) if store.group(1) else 0
-                if offset or not marks:  # slot 0, "start", is the kernel's first stamp
-                    name = STAMP_NAMES[offset // 8]
-                else:
-                    name = next(per_tile, "?")
+                slot = (int(store.group(1), 16) if store.group(1) else 0) // 8
                 break
+        marks.append((at, slot))
+    return marks
+
+
+def phase_bytes(sass: str) -> list[tuple[int, str]]:
+    """(code address, stamp name) of every timeline stamp of the partial kernel, in code order
+    (per-tile slots use a computed address, offset 0: named by the tile's first slot)."""
+    marks, per_tile = [], iter(["tile phase table", "tile scores", "tile softmax", "tile values"])
+    for at, slot in stamp_slots(sass):
+        if slot is None:
+            name = "?"
+        elif slot or not marks:  # slot 0, "start", is the kernel's first stamp
+            name = STAMP_NAMES[slot]
+        else:
+            name = next(per_tile, "?")
         marks.append((at, name))
     return marks
 
@@ -171,7 +182,7 @@ def one_launch_report(tag: str, kernels, work: Path) -> None:
         (int(m.group(1), 16), m.group(2))
         for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)
     ]
-    stamps = one_launch_stamp_addresses(code)
+    stamps = one_launch_stamp_addresses(sass)
     runs, run = [], [0, 0]  # global loads between two branches: [all, 128-bit]
     for at, ins in code:
         if not stamps[1] <= at < stamps[2]:
@@ -192,18 +203,9 @@ def one_launch_report(tag: str, kernels, work: Path) -> None:
     tile_loop_report(code, 32 * a["r"])
 
 
-def one_launch_stamp_addresses(code: list[tuple[int, str]]) -> dict[int, int]:
-    """{stamp slot: code address} of the one-launch kernel's timeline-one stamps: each reads the
-    global timer, then stores it at its slot's offset (8 bytes a slot) into `tstamp`."""
-    found = {}
-    for i, (at, ins) in enumerate(code):
-        if "SR_GLOBALTIMER" not in ins:
-            continue
-        for _, store in code[i : i + 40]:
-            m = re.search(r"STG\.E\S*\s+desc\[\w+\]\[R\d+\.64(?:\+0x([0-9a-f]+))?\]", store)
-            if m:
-                found[int(m.group(1) or "0", 16) // 8] = at
-                break
+def one_launch_stamp_addresses(sass: str) -> dict[int, int]:
+    """{stamp slot: code address} of the one-launch kernel's timeline-one stamps."""
+    found = {slot: at for at, slot in stamp_slots(sass)}
     want = {0, 1, 2, 3, *(k for _, k in ONE_MERGE_STAMPS)}
     if set(found) != want:
         raise SystemExit(
