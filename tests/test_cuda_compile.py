@@ -38,7 +38,10 @@ def test_vecinfer_cuda_sources_compile_under_nvrtc(changes, monkeypatch):
     for mma in (True, False):  # the one launch on the tensor cores, then on the CUDA cores
         monkeypatch.setattr(K, "MMA", mma)
         assert K.mma_takes(lay) is mma
-        _compiles(K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16), ONE_IN, ONE_OUT)
+        # with the model's rotation of the step's query and key, then rotating them itself
+        for rope_in in (False, True) if lay.center else (False,):
+            src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16, rope_in=rope_in)
+            _compiles(src, ONE_IN, ONE_OUT)
     # the two launches (Metal's path, and CUDA's where the one launch does not fit)
     partial, combine = K.attention_kernel_sources(lay, mx.float16)
     _compiles(partial, [F32, I32, F32, U8, U8, F16, F16, F16, F16, F32, F32] + [F16] * 7, [F32] * 3)
@@ -76,13 +79,14 @@ def test_the_timeline_stamps_and_cuts_still_apply_and_compile(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
-def test_the_tensor_core_kernel_keeps_its_launch_bounds(arch):
+@pytest.mark.parametrize("rope_in", [False, True])
+def test_the_tensor_core_kernel_keeps_its_launch_bounds(arch, rope_in):
     # MMA_MIN_THREADGROUPS threadgroups of TILE threads per multiprocessor leave each thread
     # 65536 / (TILE * 4) = 128 registers: MLX writes the signature, so the bounds reach NVRTC
     # through the translation unit (kernels.cuda_kernel_text), as here
     lay = _layout()
     assert K.MMA and K.mma_takes(lay)
-    src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16)
+    src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16, rope_in=rope_in)
     assert src.min_threadgroups == K.MMA_MIN_THREADGROUPS
     done = _compiles(src, ONE_IN, ONE_OUT, arch)
     assert done.registers <= 65536 // (K.TILE * K.MMA_MIN_THREADGROUPS)

@@ -476,6 +476,57 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
 
 
 @needs_cxx
+@pytest.mark.parametrize("traditional", [False, True], ids=["halves", "traditional"])
+@pytest.mark.parametrize("mma", [False, True], ids=["cuda-cores", "tensor-cores"])
+@pytest.mark.parametrize("layout", [OTHER_LAYOUTS[0], OTHER_LAYOUTS[2]], ids=["d128", "d32"])
+def test_one_launch_rotates_the_step_s_own_query_and_key(layout, mma, traditional, monkeypatch):
+    # With the model's rope tapped, a decode step hands the one-launch kernel its query and new
+    # key unrotated, with their position (pending["rotate"]). The launch must give what it gives
+    # on the rows mx.fast.rope rotated: the output (to float32 rounding of the rotation, or the
+    # tensor cores' f16 operands), the leaving token's codes, and the ring row it writes (the
+    # rotated key, to a float16 step of the row's largest element: the rotation cancels), every
+    # other ring row untouched.
+    import mlx.nn as nn
+
+    from veloxquant.rope import RopeSpec
+
+    d, g = layout[:2]
+    h = 2
+    c, normal = _random_cache(layout, h=h)
+    c.rope = RopeSpec.from_module(nn.RoPE(d, traditional=traditional, base=10000.0), d)
+    c.update_and_fetch(normal(1, h, 300, d, scale=2.0), normal(1, h, 300, d))
+    mx.eval(c.fused_attention(normal(1, h * g, 300, d), scale=0.1))
+    pos = c.offset
+    k_pre, v = normal(1, h, 1, d, scale=2.0), normal(1, h, 1, d)
+    c.update_and_fetch(c.rope.apply(k_pre, pos), v)
+    pending, c._pending = c._pending, None
+    q_pre = normal(1, h * g, 1, d, scale=2.0)
+    q_rot = c.rope.apply(q_pre, pos)
+    monkeypatch.setattr(K, "MMA", mma)
+    monkeypatch.setattr(K, "MIN_SPLIT", 128)  # several splits
+    c._reserve_codes(1)
+    rotate = {**pending, "rotate": (q_pre, k_pre, pos)}
+    r = K.TOKENS_PER_THREAD
+    assert K.attention_inputs(c, q_rot, 1.0, rotate, r=r, one_launch=True)["rope_in"]
+    assert not K.attention_inputs(c, q_rot, 1.0, pending, r=r, one_launch=True)["rope_in"]
+    want = _emulated_attention("cuda", c, q_rot, pending, r, 1, reverse=True)
+    got = _emulated_attention("cuda", c, q_rot, rotate, r, 1, reverse=True)
+    lay = K.layout_of(c, h * g)
+    assert K.mma_takes(lay, r) is mma
+    scale = max(1.0, np.abs(want[0]).max())
+    tol = _one_launch_tolerance(lay, r, want[0]) if mma else {"rtol": 0, "atol": 1e-5 * scale}
+    np.testing.assert_allclose(got[0], want[0], **tol)
+    for got_codes, want_codes in zip(got[1], want[1], strict=True):
+        np.testing.assert_array_equal(got_codes, want_codes)
+    slot = pending["encode"][0]
+    for got_ring, want_ring in zip(got[2], want[2], strict=True):
+        np.testing.assert_array_equal(np.delete(got_ring, slot, 2), np.delete(want_ring, slot, 2))
+        row = want_ring[:, :, slot].astype(np.float32)
+        step = 2**-10 * np.abs(row).max(axis=-1, keepdims=True)
+        assert (np.abs(got_ring[:, :, slot].astype(np.float32) - row) <= step).all()
+
+
+@needs_cxx
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
 def test_emulated_encode_kernel_matches_the_cache_encoder(
     backend, smollm2, bundle, prompt, monkeypatch
@@ -590,6 +641,49 @@ def test_cache_kernel_path_writes_the_cache_in_place(
     assert agree > 0.97
     agree = _code_agreement(np.array(kern.value_codes), twin.value_codes, lay.value_bits, d // 4)
     assert agree > 0.97
+
+
+@needs_cxx
+def test_a_tapped_model_s_decode_steps_rotate_inside_the_kernel(
+    smollm2, bundle, prompt, monkeypatch
+):
+    # make_cache taps the model's rope modules when it fuses caches that know the model's RoPE
+    # (the calibrated key mean): a decode step's query and key then reach the one-launch kernel
+    # unrotated and it rotates them (last_rope "kernel"). Through the real model, step for
+    # step, the logits must be those of copies of the caches whose launches take the model's
+    # own rotation (ROPE_IN_KERNEL off), to float32 rounding of the rotation and f16 operands,
+    # with the same greedy token; attention.uninstall puts the model's rope modules back.
+    import veloxquant.kernels as vk
+    from veloxquant.rope import RopeTap
+
+    model, _ = smollm2
+    monkeypatch.setattr(VecInferCache, "CODE_STEP", 16)
+    caches = _caches(model, _config("calibrated", bundle), True, monkeypatch)
+    assert all(isinstance(layer.self_attn.rope, RopeTap) for layer in model.layers)
+    try:
+        logits = _prefill(model, caches, prompt[:, :100])
+        copies = [copy.copy(c) for c in caches]
+        token = mx.argmax(logits, axis=-1)[:, None]
+        with monkeypatch.context() as m:
+            m.setattr(vk, "backend", lambda: "cuda")
+            m.setattr(vk, "launch", _emulated_launch)
+            m.setattr(vk, "launcher", _emulated_launcher)
+            for _ in range(3):
+                got = model(token, cache=caches)[:, -1]
+                assert {c.last_rope for c in caches} == {"kernel"}
+                m.setattr(K, "ROPE_IN_KERNEL", False)
+                want = model(token, cache=copies)[:, -1]
+                m.setattr(K, "ROPE_IN_KERNEL", True)
+                assert {c.last_rope for c in copies} == {"model"}
+                scale = float(mx.abs(want).max())
+                np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-3 * scale)
+                assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1)).item()
+                token = mx.argmax(want, axis=-1)[:, None]
+        for c, twin in zip(caches, copies, strict=True):
+            assert mx.array_equal(c.key_codes, twin.key_codes).item()
+    finally:
+        attention.uninstall()
+    assert not any(isinstance(layer.self_attn.rope, RopeTap) for layer in model.layers)
 
 
 def test_splits_fill_one_wave_of_the_gpu_s_multiprocessors(monkeypatch):

@@ -47,7 +47,7 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 
-from veloxquant import cpu_kernels
+from veloxquant import cpu_kernels, rope
 
 NAME = "scaled_dot_product_attention"
 log = logging.getLogger("veloxquant")
@@ -329,11 +329,13 @@ def install() -> None:
 
 def uninstall() -> None:
     """Put mlx-lm's own function back wherever `install` replaced it, and in model modules
-    imported meanwhile (they bound the routed name from mlx_lm.models.base)."""
+    imported meanwhile (they bound the routed name from mlx_lm.models.base); and every model's
+    own rope modules back where a fused cache tapped them (`veloxquant.rope.tap`)."""
     _patched.clear()
     for name, module in list(sys.modules.items()):
         if name.startswith("mlx_lm.models.") and getattr(module, NAME, None) is dispatch:
             setattr(module, NAME, _original)
+    rope.untap_all()
 
 
 @contextlib.contextmanager

@@ -12,6 +12,9 @@ are refused with an error naming the class.
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,8 @@ class RopeSpec:
 
     @classmethod
     def from_module(cls, rope: Any, head_dim: int) -> RopeSpec:
+        if isinstance(rope, RopeTap):
+            rope = rope.rope
         name = type(rope).__name__
         if isinstance(rope, nn.RoPE):
             spec = cls(int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale))
@@ -101,3 +106,74 @@ def rotated_mean(mean: mx.array, rope: RopeSpec, offset: int, length: int) -> mx
     """RoPE_m(μ) for m = offset .. offset + length - 1: mean [H, D] -> [1, H, length, D]."""
     h, d = mean.shape
     return rope.apply(mx.broadcast_to(mean[None, :, None, :], (1, h, length, d)), offset)
+
+
+class RopeTap(nn.Module):
+    """A model's rope module, wrapped so that a cache can find the unrotated rows behind a
+    rotation it is handed (`unrotated`). mlx-lm's attention rotates the decode step's query and
+    key (`self.rope(x, offset=cache.offset)`) before the cache sees them; a fused cache that
+    rotates them inside its own attention kernel instead takes the unrotated rows from here.
+    MLX computes lazily, so a rotation that nothing reads then never runs: two small launches
+    fewer per layer and step. The tap returns the module's own output, so every other cache
+    and path sees exactly what it saw before. Only one-token rows at an int offset (decode
+    steps) are remembered, the last few per thread."""
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.rope = rope
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        y = self.rope(x, offset=offset)
+        if x.ndim == 4 and x.shape[2] == 1 and isinstance(offset, int):
+            _recent().append((y, x, offset))
+        return y
+
+
+_local = threading.local()
+_tapped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tapped model
+
+
+def _recent() -> deque:
+    # a layer's query and key: the last four rotations suffice, and hold one token each
+    if not hasattr(_local, "recent"):
+        _local.recent = deque(maxlen=4)
+    return _local.recent
+
+
+def unrotated(y: mx.array) -> tuple[mx.array, int] | None:
+    """(x, offset) when `y` is the very array a `RopeTap` returned for x at that offset on this
+    thread (recently), else None."""
+    for out, x, offset in _recent():
+        if out is y:
+            return x, offset
+    return None
+
+
+def tap(model: Any) -> bool:
+    """Wrap each attention layer's rope module of `model` in a `RopeTap` (idempotent). Returns
+    False, tapping nothing, when the layers' rotation is not one `RopeSpec` reproduces (it
+    raises then, naming why; `RopeSpec.of`)."""
+    try:
+        RopeSpec.of(model)
+    except (ValueError, AttributeError):
+        return False
+    for layer in model.layers:
+        if not isinstance(layer.self_attn.rope, RopeTap):
+            layer.self_attn.rope = RopeTap(layer.self_attn.rope)
+    _tapped[id(model)] = model
+    return True
+
+
+def untap(model: Any) -> None:
+    """Put `model`'s own rope modules back where `tap` wrapped them."""
+    for layer in getattr(model, "layers", None) or []:
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and isinstance(getattr(attn, "rope", None), RopeTap):
+            attn.rope = attn.rope.rope
+    _tapped.pop(id(model), None)
+
+
+def untap_all() -> None:
+    """`untap` every model tapped in this process (and still alive)."""
+    for model in list(_tapped.values()):
+        untap(model)

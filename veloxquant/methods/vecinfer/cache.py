@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
 from veloxquant import attention
+from veloxquant import rope as rope_tap
 from veloxquant.codes import code_bytes, pq_decode, pq_encode
 from veloxquant.kmeans import check_finite
 from veloxquant.methods.base import (
@@ -143,6 +144,9 @@ class VecInferCache(CompressedCache):
         # mix their counts
         self._last_launch: mx.array | None = None
         self.last_attention: str | None = None
+        # who rotated the latest kernel step's query and key: "kernel" (the attention launch,
+        # the model's rope tapped) or "model" (mlx-lm's own rope launches)
+        self.last_rope: str | None = None
 
     # -- storage. Codes live in buffers that grow in CODE_STEP-token steps, so the fused path
     # appends a token without copying the past; `key_codes` / `value_codes` are the filled
@@ -457,6 +461,9 @@ class VecInferCache(CompressedCache):
                 "win": (self._wk, self._wv),
                 "encode": (slot, self.sinks + n_before),
                 "ring": slot,
+                # the model's unrotated key, where its rope is tapped (veloxquant.rope.tap)
+                "unrotated_key": rope_tap.unrotated(keys),
+                "position": self.offset,
             }
             self._ring = (slot + 1) % w
         elif n_new:
@@ -509,6 +516,8 @@ class VecInferCache(CompressedCache):
                 if self._kbuf is not None:
                     self._reserve_codes(0)
                 self._write_ring(pending)
+            if in_place:
+                pending = {**pending, "rotate": _unrotated(pending, queries)}
             try:
                 out, codes = kernels.decode_attention(self, queries, scale, pending)
             except BaseException:
@@ -517,6 +526,8 @@ class VecInferCache(CompressedCache):
                 self._encode_leaving(pending)  # keep the cache whole, then fail
                 raise
             self._last_launch = out
+            rotated = self.__dict__.get("_kernel_memo", {}).get("rope_in")
+            self.last_rope = "kernel" if rotated else "model"
             if in_place:  # the launch wrote the codes and the ring
                 self._n_coded += 1
                 self._last_write = out
@@ -591,6 +602,16 @@ class VecInferCache(CompressedCache):
         self.rope = None if no_rope else RopeSpec.from_meta(meta, self.rope_freqs)
 
 
+def _unrotated(pending: dict, queries: mx.array) -> tuple | None:
+    """(query, key, position) before the model's RoPE, when its tapped rope modules rotated
+    both of this decode step's rows at the cache's own position, else None."""
+    key, query = pending.get("unrotated_key"), rope_tap.unrotated(queries)
+    position = pending.get("position")
+    if key is None or query is None or not key[1] == query[1] == position:
+        return None
+    return query[0], key[0], position
+
+
 def _check_options(options: dict, hp: dict) -> None:
     for key, want in options.items():
         have = hp.get(key)
@@ -653,6 +674,9 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[VecI
         )
         for i in range(dims.L)
     ]
-    # fused attention whenever the model's attention can be routed (veloxquant.attention)
-    attention.enable_for(model, caches, "vecinfer")
+    # fused attention whenever the model's attention can be routed (veloxquant.attention);
+    # with the key mean, whose RoPE the kernel knows, the decode step's own query and key are
+    # rotated inside the attention launch (the model's rope modules tapped)
+    if attention.enable_for(model, caches, "vecinfer") and rope is not None:
+        rope_tap.tap(model)
     return caches

@@ -2304,20 +2304,81 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
     return memo[key]
 
 
+# Element n of the RoPE of `row` (D elements, pairs (n, n + D/2), or (2j, 2j + 1) when
+# traditional) at the scaled position rpos, as mx.fast.rope forms it: the angle
+# rpos * inv_freq[j] in float32, x1 c - x2 s and x1 s + x2 c in float32, and one rounding to
+# the model's dtype T (what the model's own rotation hands on). The cosine and sine are the
+# SFU's (within 2^-21 of the true values) of the angle reduced to [-pi, pi] in double precision:
+# CUDA's accurate sincosf has a slow path for angles past 1e5 rad (128K tokens reach 1.3e5),
+# whose local array and registers, merely present in the kernel, cost the tile loop spills.
+# The partner element is read from memory rather than shuffled in: the callers hold their
+# elements in different lane layouts, and the row is one cached line.
+_ROPE_IN_HELPER = """
+#ifndef VQ_ROPE_IN_HELPER
+#define VQ_ROPE_IN_HELPER
+template <typename T, int D_, bool TRAD_, typename X>
+VQ_FN float vq_rope_in(const VQ_GLOBAL X* row, int n, float rpos, const VQ_GLOBAL float* inv_freq) {
+  const bool first = TRAD_ ? (n & 1) == 0 : n < D_ / 2;
+  const int mate = TRAD_ ? (n ^ 1) : (first ? n + D_ / 2 : n - D_ / 2);
+  const int j = TRAD_ ? n / 2 : (first ? n : mate);
+  const float x1 = static_cast<float>(row[first ? n : mate]);
+  const float x2 = static_cast<float>(row[first ? mate : n]);
+  const double theta = (double)(rpos * inv_freq[j]);
+  const float reduced = (float)(theta - rint(theta * 0.15915494309189535) * 6.283185307179586);
+  float sn, cs;
+  VQ_FAST_SINCOS(reduced, sn, cs);
+  return static_cast<float>(static_cast<T>(first ? x1 * cs - x2 * sn : x1 * sn + x2 * cs));
+}
+#endif
+"""
+
+# The statements of the one-launch kernel that read the step's own query and key, and what they
+# read instead when the kernel rotates them (`rope_in`): the split threadgroups' query load,
+# the exact threadgroup's query and new-token rows, and the in-place encoder's ring write.
+_ROPE_IN_READS = {
+    "static_cast<float>(q[(h * G + g) * D + (int)vq_lane * QE + e])": (
+        "VQ_ROPE_IN(q + (h * G + g) * D, (int)vq_lane * QE + e)"
+    ),
+    "static_cast<float>(q[(h * G) * D + i])": "VQ_ROPE_IN(q + (h * G + i / D) * D, i % D)",
+    "EXACT_ROW(new_k, new_v, (h * n_new + t - n_sink - n_win) * D)": (
+        "EXACT_ROW_ROPE(new_k, new_v, (h * n_new + t - n_sink - n_win) * D)"
+    ),
+    "static_cast<float>(new_k[h * D + d])": "VQ_ROPE_IN(new_k + h * D, d)",
+}
+_ROPE_IN_MACROS = """
+#define VQ_ROPE_IN(X, n) \\
+  vq_rope_in<OUT_T, D, TRAD>((X), (n), fparams[1] * (float)iparams[ROPE_POS], inv_freq)
+#define EXACT_ROW_ROPE(K, V, row) \\
+  VQ_UNROLL \\
+  for (int e = 0; e < DE; ++e) { \\
+    kx[b][e] = VQ_ROPE_IN(K + (row), e * 32 + lane); \\
+    vx[b][e] = static_cast<float>(V[(row) + e * 32 + lane]); \\
+  }
+"""
+
+
 def one_launch_kernel_source(
-    lay: Layout, out_dtype: mx.Dtype, window_dtype: mx.Dtype, r: int | None = None
+    lay: Layout,
+    out_dtype: mx.Dtype,
+    window_dtype: mx.Dtype,
+    r: int | None = None,
+    rope_in: bool = False,
 ) -> KernelSource:
     """Decode attention in one launch (CUDA only; `_ONE_LAUNCH_TAIL`): the partial kernel,
     whose last threadgroup per KV head merges the splits into `out` (as the combine does) and
     whose exact threadgroup encodes the token leaving the window in place (as the in-place
     combine with the encoder does, when iparams[EP] says there is one). The window ring is
     `window_dtype`. Needs head_dim <= TILE. A decode step's layer is then one custom-kernel call
-    instead of two."""
+    instead of two. With `rope_in` (a layout with the key mean: a cache with the model's RoPE)
+    the step's query and new key arrive unrotated and the kernel rotates them to position
+    iparams[ROPE_POS_PARAM] (`_ROPE_IN_READS`): the model's two RoPE launches per layer go."""
     r = TOKENS_PER_THREAD if r is None else r
     mma = mma_takes(lay, r)
+    if rope_in and not lay.center:
+        raise ValueError("rope_in needs a layout with the key mean (a cache with the RoPE)")
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK, mma)
     key += (COMBINE_FLOAT4,)
-    key += (MMA_MIN_THREADGROUPS,)
+    key += (MMA_MIN_THREADGROUPS, rope_in)
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
         if mma:  # the same kernel with its coded tokens on the tensor cores
@@ -2332,6 +2393,14 @@ def one_launch_kernel_source(
         splits = "  const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;\n"
         assert partial.body.count(splits) == 1
         body = partial.body.replace(splits, splits + _ONE_LAUNCH_PARTS)
+        helpers = partial.helpers
+        if rope_in:
+            body += tail
+            for read, rotated in _ROPE_IN_READS.items():
+                assert body.count(read) == 1, read
+                body = body.replace(read, rotated)
+            body, tail = _ROPE_IN_MACROS + body, ""
+            helpers += _ROPE_IN_HELPER
         offsets = {f"OFF_{n.upper()}": off for n, (off, _, _) in pack_segments(lay, r).items()}
         _SOURCES[key] = KernelSource(
             name="vq_vecinfer_attn_one_launch",
@@ -2345,10 +2414,11 @@ def one_launch_kernel_source(
                 "OUT_T": out_dtype,
                 "WIN_T": window_dtype,
                 "EP": ENCODE_PARAM,
+                "ROPE_POS": ROPE_POS_PARAM,
                 "HALF_T": mx.float16,
             },
             threads=TILE,
-            helpers=partial.helpers,
+            helpers=helpers,
             backends=("cuda",),
             min_threadgroups=partial.min_threadgroups,
         )
@@ -2474,6 +2544,13 @@ PARAMS = 16  # int32 slots of iparams (>= 8 elements, see veloxquant.kernels.lau
 ENCODE_PARAM = 8
 # Where the partial kernel finds how many RoPE pairs it sums term by term (`exact_pairs`).
 PHASE_PARAM = 12
+# Where the one-launch kernel that rotates the step's own query and key (`rope_in`) finds their
+# position.
+ROPE_POS_PARAM = 13
+# Whether a decode step whose query and key reach the cache unrotated (the model's rope tapped,
+# `veloxquant.rope.RopeTap`) rotates them inside the one-launch kernel; benchmarks compare the
+# two.
+ROPE_IN_KERNEL = True
 # Whether a decode step's combine launch writes the leaving token's codes and the new token
 # into the cache's buffers itself (the default: the step is its two launches and nothing else)
 # or returns the codes for the cache to append with slice updates, the new token going into
@@ -2738,7 +2815,8 @@ def attention_inputs(
     the first launch, PARTIAL_INPUTS or ONE_LAUNCH_INPUTS], 'combine_extra': [iparams,
     value_smooth, value_mean, and the encoder's inputs when pending has a token to encode;
     empty for one launch], 'groups', 'n_splits', 'r', 'encode': whether the launch that
-    merges also encodes, 'in_place'}. `one_launch`
+    merges also encodes, 'in_place', 'rope_in': whether the launch rotates the unrotated query
+    and key of pending["rotate"] (one launch in place, a layout with the key mean)}. `one_launch`
     (default: `takes_one_launch`) picks one launch where the step allows it (the encode, if
     any, in place); benchmarks of the partial kernel alone pass False."""
     _, n_q, _, d = queries.shape
@@ -2757,6 +2835,20 @@ def attention_inputs(
     if one and lay.head_dim > TILE:
         raise ValueError(f"one launch needs head_dim <= {TILE}, not {lay.head_dim}")
     one = one and (encode is None or in_place)
+    # the step's own query and key unrotated (`pending["rotate"]`: query, key, position, from
+    # the model's tapped rope): rotated in the launch, which writes the key into the ring
+    rotate = pending.get("rotate")
+    rope_in = bool(
+        rotate is not None
+        and ROPE_IN_KERNEL
+        and one
+        and in_place
+        and lay.center
+        and rotate[0].dtype == rotate[1].dtype == queries.dtype
+        and rotate[0].shape == queries.shape
+        and rotate[1].shape == pending["new"][0].shape
+    )
+    memo["rope_in"] = rope_in  # the cache's last_rope
     # the splits fill one wave of the launch's threadgroups: as many as the card holds at once
     nbytes = memo.get(("bytes", r, one, MMA))
     if nbytes is None:
@@ -2783,6 +2875,8 @@ def attention_inputs(
         wk, wv = win
         n_win = int(wk.shape[2])
     nk, nv = pending["new"]
+    if rope_in:
+        queries, nk = rotate[0], rotate[1]
     iparams = [n_coded, cache.sinks, tps, n_sink, n_win, int(nk.shape[2])]
     iparams += [int(kbuf.shape[2]), int(wk.shape[2])]
     if encode is not None:
@@ -2790,6 +2884,7 @@ def attention_inputs(
     else:
         iparams += [0, 0, 0, 0]
     iparams.append(const["exact_pairs"])  # at PHASE_PARAM
+    iparams.append(int(rotate[2]) if rope_in else 0)  # at ROPE_POS_PARAM
     iparams = _int_params(iparams)
     last = cache._last_launch
     last = last if last is not None else _dummy((8,), queries.dtype)
@@ -2813,11 +2908,11 @@ def attention_inputs(
     # exist) are in the key, every other input is the cache's own and fixed
     dtypes = (queries.dtype, sk.dtype, sv.dtype, wk.dtype, wv.dtype, nk.dtype, nv.dtype)
     key = ("plan", n_q, r, encode is not None, in_place, one, COMBINE_CHUNK, COMBINE_FLOAT4)
-    key += (MMA, KEY_ROWS_AHEAD, last.dtype, *dtypes)
+    key += (MMA, KEY_ROWS_AHEAD, last.dtype, *dtypes, rope_in)
     plan = memo.get(key)
     if plan is None:
         if one:
-            sources = (one_launch_kernel_source(lay, queries.dtype, wk.dtype, r),)
+            sources = (one_launch_kernel_source(lay, queries.dtype, wk.dtype, r, rope_in),)
         else:
             sources = attention_kernel_sources(lay, queries.dtype, r)
             if encode is not None:
@@ -2845,6 +2940,7 @@ def attention_inputs(
         "r": r,
         "encode": encode is not None,
         "in_place": in_place,
+        "rope_in": rope_in,
     }
 
 
