@@ -29,6 +29,10 @@ twin, which none of the swaps touches.
 With `--cuda-cores`, one more: `vecinfer_cuda_cores`, the one-launch kernel with its coded
 tokens on the CUDA cores (`kernels.MMA` off; the default puts them on the tensor cores).
 
+With `--model-rope`, one more: `vecinfer_model_rope`, the decode step's query and key rotated by
+the model's own rope launches (`kernels.ROPE_IN_KERNEL` off, the model's rope modules untapped)
+instead of inside the attention launch. The fp16 arm always runs on the untapped model.
+
 With `--profile`, cProfile of the host graph build of a few fused steps (top functions by own
 time).
 
@@ -48,6 +52,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from veloxquant import attention
+from veloxquant import rope as rope_tap
 from veloxquant.methods.vecinfer.cache import DEFAULT_SINKS, DEFAULT_WINDOW, window_dtype
 from veloxquant.rope import RopeSpec
 from _common import fmt, model_dtype, random_weights_model
@@ -102,6 +107,7 @@ def default_layout_caches(model, n_tokens: int) -> list:
     attention.install()
     if not attention.routes(model):
         raise RuntimeError(f"{type(model).__module__}: attention is not routed to fused caches")
+    rope_tap.tap(model)  # as make_cache does for caches with the key mean
     return caches
 
 
@@ -172,9 +178,17 @@ def partial_only(a: dict, queries: mx.array) -> tuple[mx.array, None]:
     return part_o[: n_q * d].reshape(1, n_q, 1, d).astype(queries.dtype), None
 
 
-def use_kernels(fn=None, one_launch: bool = True, source_files: bool = True, mma: bool = True):
+def use_kernels(
+    model,
+    fn=None,
+    one_launch: bool = True,
+    source_files: bool = True,
+    mma: bool = True,
+    rope_in: bool = True,
+):
     """An arm's select: the attention launches `fn` (default the real ones) with the kernels'
-    switches as given, the defaults being the default path."""
+    switches as given, the defaults being the default path; with rope_in, `model`'s rope
+    modules tapped (make_cache's default for these caches), without, untapped."""
     from veloxquant.methods.vecinfer import kernels
 
     real = kernels.launch_attention if fn is None else fn
@@ -183,17 +197,19 @@ def use_kernels(fn=None, one_launch: bool = True, source_files: bool = True, mma
         kernels.launch_attention = real
         kernels.ONE_LAUNCH = one_launch
         kernels.MMA = mma
+        kernels.ROPE_IN_KERNEL = rope_in
         veloxquant.kernels.CUDA_SOURCE_FILES = source_files
+        (rope_tap.tap if rope_in else rope_tap.untap)(model)
 
     return select
 
 
 def bound_arms(model, ctx: int) -> dict:
     """--bounds' arms: {name: (caches, select)}, select swapping the attention launches."""
-    arms = {"vecinfer": use_kernels(), "two_launches": use_kernels(one_launch=False)}
-    arms["inline_source"] = use_kernels(source_files=False)
-    arms["no_combine"] = use_kernels(partial_only, one_launch=False)
-    arms["no_attention"] = use_kernels(lambda a, queries: (queries, None))
+    arms = {"vecinfer": use_kernels(model), "two_launches": use_kernels(model, one_launch=False)}
+    arms["inline_source"] = use_kernels(model, source_files=False)
+    arms["no_combine"] = use_kernels(model, partial_only, one_launch=False)
+    arms["no_attention"] = use_kernels(model, lambda a, queries: (queries, None))
     return {
         n: (default_layout_caches(model, ctx) if n != "vecinfer" else None, f)
         for n, f in arms.items()
@@ -205,6 +221,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--bounds", action="store_true", help="arms without the combine / attention")
     p.add_argument("--cuda-cores", action="store_true", help="an arm with kernels.MMA off")
+    p.add_argument("--model-rope", action="store_true", help="an arm with the model's RoPE")
     args = p.parse_args()
 
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
@@ -225,10 +242,14 @@ def main() -> None:
             build_and_step(model, caches, token)
             arms[name], peaks[name] = (caches, lambda: None), mx.get_peak_memory()
         arms = {name: arms[name] for name in ("fp16", "vecinfer")}  # fp16 is the baseline
-        arms["vecinfer"] = (arms["vecinfer"][0], use_kernels())
+        arms["fp16"] = (arms["fp16"][0], lambda: rope_tap.untap(model))
+        arms["vecinfer"] = (arms["vecinfer"][0], use_kernels(model))
         if args.cuda_cores:
-            cuda_cores = (default_layout_caches(model, ctx), use_kernels(mma=False))
+            cuda_cores = (default_layout_caches(model, ctx), use_kernels(model, mma=False))
             arms["vecinfer_cuda_cores"] = cuda_cores
+        if args.model_rope:
+            model_rope = (default_layout_caches(model, ctx), use_kernels(model, rope_in=False))
+            arms["vecinfer_model_rope"] = model_rope
         if args.bounds:
             for name, (caches, select) in bound_arms(model, ctx).items():
                 arms[name] = (caches or arms[name][0], select)

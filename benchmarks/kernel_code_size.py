@@ -225,7 +225,8 @@ def tile_loop_report(code: list[tuple[int, str]], tokens_per_warp: int) -> None:
     kinds = collections.Counter(op.split(".")[0] for op in body)
     print(f"  tile loop: {len(body)} instructions per SIMD group and tile ({hmma} HMMA), "
           f"{len(body) / tokens_per_warp:.1f} per coded token; "
-          + ", ".join(f"{k} {n}" for k, n in kinds.most_common(10)))  # fmt: skip
+          + ", ".join(f"{k} {n}" for k, n in kinds.most_common(10))
+          + f"; local memory LDL {kinds['LDL']}, STL {kinds['STL']}")  # fmt: skip
 
 
 def main() -> None:
