@@ -40,8 +40,8 @@
 #   bash benchmarks/h200_mma.sh rope    # the step's query and key rotated inside the one-launch
 #                                       # kernel (the model's rope tapped) against the model's
 #                                       # rotation: greedy tokens and logits at 4K / 64K, ncu of
-#                                       # every kernel of real 64K steps, tokens/s against fp16
-#                                       # at 16K / 64K / 128K
+#                                       # every kernel of real 64K steps
+#   bash benchmarks/h200_mma.sh rope_e2e  # ... and tokens/s against fp16 at 16K / 64K / 128K
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -277,19 +277,21 @@ rope)
   sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
   grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
   echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape)"
-  timeout 150 python benchmarks/check_rope_in_kernel.py \
+  timeout 120 python benchmarks/check_rope_in_kernel.py \
     --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
     | tee "$OUT/check_rope.txt"
   echo "== ncu inside real 64K decode steps, every kernel: fp16, this tree, the model's RoPE"
-  timeout 200 ncu --profile-from-start off --clock-control base --cache-control none \
+  timeout 240 ncu --profile-from-start off --clock-control base --cache-control none \
     --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/rope65536.csv" \
     python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
     --context 65536 --repeats 2 --steps 3 --baseline modelrope=/tmp/modelrope_kernels.py \
     > "$OUT/rope65536.txt" 2>&1
   python benchmarks/profile_decode_step.py --parse "$OUT/rope65536.csv" --steps 3 \
     --baseline modelrope=/tmp/modelrope_kernels.py | tee "$OUT/rope65536_parsed.txt" | head -60
+  ;;
+rope_e2e)
   echo "== tokens/s: fp16, RoPE in the kernel, the model's RoPE (8B shape)"
-  timeout 240 python benchmarks/bench_generate.py --model-rope --dtype bfloat16 \
+  timeout 420 python benchmarks/bench_generate.py --model-rope --dtype bfloat16 \
     --random-weights benchmarks/configs/llama3-8b.json --contexts 16384 65536 131072 \
     --repeats 3 2>&1 | tee "$OUT/generate_rope.txt"
   ;;
