@@ -73,6 +73,19 @@ sed -e 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 3/' \
 # Clocks locked at base: with them free (--clock-control none, the first run of `splits`), a
 # launch after a host gap ran 4-8x slower than the same launch back to back (the GPU idling down),
 # which swamped the A/Bs.
+# ncu's GPU time of every kernel of real decode steps at context $2 (clocks at base): fp16, this
+# tree and the arm $1 (/tmp/$1_kernels.py), into $OUT/$1_$2*.txt; prints the parsed steps
+ncu_steps() {
+  name=$1
+  ctx=$2
+  timeout 240 ncu --profile-from-start off --clock-control base --cache-control none \
+    --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/${name}_$ctx.csv" \
+    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+    --context "$ctx" --repeats 2 --steps 3 --baseline "$name=/tmp/${name}_kernels.py" \
+    > "$OUT/${name}_$ctx.txt" 2>&1
+  python benchmarks/profile_decode_step.py --parse "$OUT/${name}_$ctx.csv" --steps 3 \
+    --baseline "$name=/tmp/${name}_kernels.py" | tee "$OUT/${name}_${ctx}_parsed.txt"
+}
 ncu_times() {
   name=$1
   shift
@@ -281,13 +294,7 @@ rope)
     --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
     | tee "$OUT/check_rope.txt"
   echo "== ncu inside real 64K decode steps, every kernel: fp16, this tree, the model's RoPE"
-  timeout 240 ncu --profile-from-start off --clock-control base --cache-control none \
-    --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/rope65536.csv" \
-    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
-    --context 65536 --repeats 2 --steps 3 --baseline modelrope=/tmp/modelrope_kernels.py \
-    > "$OUT/rope65536.txt" 2>&1
-  python benchmarks/profile_decode_step.py --parse "$OUT/rope65536.csv" --steps 3 \
-    --baseline modelrope=/tmp/modelrope_kernels.py | tee "$OUT/rope65536_parsed.txt" | head -60
+  ncu_steps modelrope 65536 | head -60
   ;;
 rope_e2e)
   echo "== tokens/s: fp16, RoPE in the kernel, the model's RoPE (8B shape)"
@@ -323,14 +330,7 @@ tiles4)
   # per warp, more registers) against 2, inside real decode steps at 64K (ncu, clocks at base)
   sed 's/^TOKENS_PER_THREAD = 2$/TOKENS_PER_THREAD = 4/' "$K" > /tmp/r4_kernels.py
   grep -q '^TOKENS_PER_THREAD = 4$' /tmp/r4_kernels.py || { echo "sed failed" >&2; exit 2; }
-  timeout 150 ncu --profile-from-start off --clock-control base --cache-control none \
-    --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step65536_r4.csv" \
-    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
-    --context 65536 --repeats 2 --steps 3 --baseline r4=/tmp/r4_kernels.py \
-    > "$OUT/step65536_r4.txt" 2>&1
-  python benchmarks/profile_decode_step.py --parse "$OUT/step65536_r4.csv" --steps 3 \
-    --baseline r4=/tmp/r4_kernels.py | tee "$OUT/step65536_r4_parsed.txt" |
-    grep -E "GPU time|custom_kernel|sdpa"
+  ncu_steps r4 65536 | grep -E "GPU time|custom_kernel|sdpa"
   ;;
 mergecuts)
   # what the last threadgroup's merge costs, and what in it: BASE's kernel as is, without the
