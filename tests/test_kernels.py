@@ -643,18 +643,86 @@ def test_cache_kernel_path_writes_the_cache_in_place(
     assert agree > 0.97
 
 
+def test_rows_handed_on_unrotated_are_rotated_on_every_other_path():
+    # A cache whose offset defers (rope.DeferredPosition) gets its step's query and key from
+    # the model's tapped rope unrotated. Where no kernel rotates them, the cache rotates them
+    # with the model's own module: the pure-MLX twin's output, and the ring row an unattended
+    # update leaves, must be those of the rows the module rotated.
+    import mlx.nn as nn
+
+    from veloxquant.rope import DeferredPosition, RopeSpec, RopeTap
+
+    layout = OTHER_LAYOUTS[0]
+    d, g = layout[:2]
+    h = 2
+    module = nn.RoPE(d, base=10000.0)
+    tap = RopeTap(module)
+    arms = []
+    for deferring in (True, False):
+        c, normal = _random_cache(layout, h=h)
+        c.rope = RopeSpec.from_module(module, d)
+        c.update_and_fetch(normal(1, h, 300, d, scale=2.0), normal(1, h, 300, d))
+        mx.eval(c.fused_attention(normal(1, h * g, 300, d), scale=0.1))
+        if deferring:
+            c.offset = DeferredPosition(c.offset)
+        pos = int(c.offset)
+        q, k, v = normal(1, h * g, 1, d), normal(1, h, 1, d), normal(1, h, 1, d)
+        q_in, k_in = tap(q, offset=c.offset), tap(k, offset=c.offset)
+        assert (q_in is q and k_in is k) is deferring  # handed on unrotated, or rotated
+        c.update_and_fetch(k_in, v)
+        assert (c._pending["deferral"] is not None) is deferring
+        out = c.fused_attention(q_in, scale=0.1)
+        assert c.last_attention == "reference"
+        slot = (c._ring - 1) % c.window  # the new token's ring slot
+        ring = c._wk[:, :, slot]
+        # an update whose attention never runs: the cache keeps the rotated key, then raises
+        for _ in range(2):
+            if deferring:
+                c.offset = DeferredPosition(c.offset)
+            k_in = tap(k, offset=c.offset)
+            assert (k_in is k) is deferring
+            if c._pending is None:
+                c.update_and_fetch(k_in, v)
+                continue
+            with pytest.raises(RuntimeError, match="never followed by its attention"):
+                c.update_and_fetch(k_in, v)
+        left = c._wk[:, :, (c._ring - 1) % c.window]
+        # the transient path (fused off): the cache rotates the key, mlx-lm's attention
+        # (through the dispatch) the query
+        c.fused = False
+        if deferring:
+            c.offset = DeferredPosition(c.offset)
+        q_in, k_in = tap(q, offset=c.offset), tap(k, offset=c.offset)
+        keys, values = c.update_and_fetch(k_in, v)
+        transient = attention.dispatch(q_in, keys, values, cache=c, scale=0.1, mask=None)
+        arms.append((out, ring, left, transient, pos))
+    (
+        (out, ring, left, transient, pos),
+        (want_out, want_ring, want_left, want_transient, want_pos),
+    ) = arms
+    np.testing.assert_array_equal(np.array(transient), np.array(want_transient))
+    assert pos == want_pos
+    np.testing.assert_array_equal(np.array(out), np.array(want_out))
+    np.testing.assert_array_equal(np.array(ring), np.array(want_ring))
+    np.testing.assert_array_equal(np.array(left), np.array(want_left))
+    np.testing.assert_array_equal(
+        np.array(want_ring), np.array(module(k, offset=pos).astype(want_ring.dtype))[:, :, 0]
+    )
+
+
 @needs_cxx
 def test_a_tapped_model_s_decode_steps_rotate_inside_the_kernel(
     smollm2, bundle, prompt, monkeypatch
 ):
     # make_cache taps the model's rope modules when it fuses caches that know the model's RoPE
     # (the calibrated key mean): a decode step's query and key then reach the one-launch kernel
-    # unrotated and it rotates them (last_rope "kernel"). Through the real model, step for
-    # step, the logits must be those of copies of the caches whose launches take the model's
-    # own rotation (ROPE_IN_KERNEL off), to float32 rounding of the rotation and f16 operands,
-    # with the same greedy token; attention.uninstall puts the model's rope modules back.
+    # unrotated and it rotates them (last_rope "kernel"), and from then on the tap hands them
+    # on without building the model's rotation. Through the real model, step for step, the
+    # logits must be those of copies of the caches whose launches take the model's own
+    # rotation (ROPE_IN_KERNEL off), to float32 rounding of the rotation and f16 operands, with
+    # the same greedy token; attention.uninstall puts the model's rope modules back.
     import veloxquant.kernels as vk
-    from veloxquant.rope import RopeTap
+    from veloxquant.rope import DeferredPosition, RopeTap
 
     model, _ = smollm2
     monkeypatch.setattr(VecInferCache, "CODE_STEP", 16)
@@ -668,9 +736,17 @@ def test_a_tapped_model_s_decode_steps_rotate_inside_the_kernel(
             m.setattr(vk, "backend", lambda: "cuda")
             m.setattr(vk, "launch", _emulated_launch)
             m.setattr(vk, "launcher", _emulated_launcher)
-            for _ in range(3):
+            # steps 2 on: the caches' offsets defer (the tap hands the rows on unrotated and
+            # builds no rotation); step 3: a deferred step whose kernel does not rotate (the
+            # switch off for the caches too), so the cache rotates with the model's module
+            for step in range(5):
+                rotate_in_kernel = step != 3
+                assert all(isinstance(c.offset, DeferredPosition) for c in caches) is (
+                    step in (1, 2, 3)
+                )
+                m.setattr(K, "ROPE_IN_KERNEL", rotate_in_kernel)
                 got = model(token, cache=caches)[:, -1]
-                assert {c.last_rope for c in caches} == {"kernel"}
+                assert {c.last_rope for c in caches} == {"kernel" if rotate_in_kernel else "model"}
                 m.setattr(K, "ROPE_IN_KERNEL", False)
                 want = model(token, cache=copies)[:, -1]
                 m.setattr(K, "ROPE_IN_KERNEL", True)

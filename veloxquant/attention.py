@@ -77,6 +77,7 @@ def dispatch(
                 "set cache.fused = False for this model"
             )
         return cache.fused_attention(queries, scale=scale, mask=mask)
+    queries = rope.rotated(queries)  # where a tapped rope handed it on unrotated
     if _cpu_softmax_on and _takes_cpu_softmax(queries, keys, cache, mask, sinks):
         if hasattr(cache, "bits"):
             return cpu_quantized_attention(

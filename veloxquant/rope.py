@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,17 +117,34 @@ class RopeTap(nn.Module):
     MLX computes lazily, so a rotation that nothing reads then never runs: two small launches
     fewer per layer and step. The tap returns the module's own output, so every other cache
     and path sees exactly what it saw before. Only one-token rows at an int offset (decode
-    steps) are remembered, the last few per thread."""
+    steps) are remembered, the last few per thread.
+
+    A cache whose steps do rotate inside the kernel says so with its offset, a
+    `DeferredPosition`: for it the tap hands the one-token row on unrotated, without building
+    the rotation at all (host time: each rope op costs the graph build ~10 us). The cache then
+    rotates the row itself: in its kernel, or, on any other path, with this module
+    (`rotated`)."""
 
     def __init__(self, rope: nn.Module):
         super().__init__()
         self.rope = rope
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        one_token = x.ndim == 4 and x.shape[2] == 1
+        if isinstance(offset, DeferredPosition):
+            if one_token:
+                _recent().append((x, x, int(offset), self.rope))
+                return x
+            offset = int(offset)
         y = self.rope(x, offset=offset)
-        if x.ndim == 4 and x.shape[2] == 1 and isinstance(offset, int):
-            _recent().append((y, x, offset))
+        if one_token and isinstance(offset, int):
+            _recent().append((y, x, offset, None))
         return y
+
+
+class DeferredPosition(int):
+    """A cache's offset asking its model's tapped rope modules (`RopeTap`) to hand one-token
+    rows on unrotated: the cache rotates them itself (`rotated`)."""
 
 
 _local = threading.local()
@@ -140,13 +158,37 @@ def _recent() -> deque:
     return _local.recent
 
 
+def _find(y: mx.array) -> tuple | None:
+    # newest first: a row handed on unrotated is its own output, and may be tapped again
+    for entry in reversed(_recent()):
+        if entry[0] is y:
+            return entry
+    return None
+
+
 def unrotated(y: mx.array) -> tuple[mx.array, int] | None:
     """(x, offset) when `y` is the very array a `RopeTap` returned for x at that offset on this
-    thread (recently), else None."""
-    for out, x, offset in _recent():
-        if out is y:
-            return x, offset
-    return None
+    thread (recently): x's rotation, or x itself handed on unrotated (`deferred`); else None."""
+    entry = _find(y)
+    return None if entry is None else (entry[1], entry[2])
+
+
+def deferral(y: mx.array) -> Callable[[], mx.array] | None:
+    """Where a `RopeTap` handed `y` on unrotated (its offset a DeferredPosition), a function
+    that builds the model's rotation of it (the tap's module at y's offset); else None. Kept
+    by a cache that rotates later than the tap remembers."""
+    entry = _find(y)
+    if entry is None or entry[3] is None:
+        return None
+    rope, x, offset = entry[3], entry[1], entry[2]
+    return lambda: rope(x, offset=offset)
+
+
+def rotated(y: mx.array) -> mx.array:
+    """`y` as the model's rope module rotates it: y itself, unless a `RopeTap` handed it on
+    unrotated, then that module's rotation of it at its offset."""
+    rotate = deferral(y)
+    return y if rotate is None else rotate()
 
 
 def tap(model: Any) -> bool:

@@ -267,6 +267,7 @@ class VecInferCache(CompressedCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.fused and attention.route_proven(self):
             return self._fused_update(keys, values)
+        keys = rope_tap.rotated(keys)  # the tap handed it on unrotated for a fused step
         self._check_no_pending()
         self._normalize_window()
         self.last_attention = "transient"
@@ -372,9 +373,19 @@ class VecInferCache(CompressedCache):
             # the leaving token's codes exist only once its attention runs: write them now, so
             # the cache still holds every token it has seen when the caller switches paths
             pending, self._pending = self._pending, None
+            pending = self._rotated_new(pending)
             self._encode_leaving(pending)
             self._write_ring(pending)
             raise attention.unattended_update(self)
+
+    def _rotated_new(self, pending: dict) -> dict:
+        """`pending` with its new key as the model rotates it, where the model's tapped rope
+        handed it on unrotated for the kernel to rotate (`veloxquant.rope.DeferredPosition`)
+        and something else reads it instead."""
+        rotate = pending.get("deferral")
+        if rotate is None:
+            return pending
+        return {**pending, "new": (rotate(), pending["new"][1]), "deferral": None}
 
     def _encode_leaving(self, pending: dict) -> dict:
         """Encode and append the token a full window dropped in the update behind `pending`
@@ -444,12 +455,18 @@ class VecInferCache(CompressedCache):
 
     def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._check_no_pending()
+        # a key handed on unrotated (this cache's offset deferred it) is rotated in the
+        # attention launch of a decode step whose window is full, and here for anything else
+        deferral = rope_tap.deferral(keys)
+        n_win = 0 if self._wk is None else self._wk.shape[2]
+        ring_step = keys.shape[2] == 1 and self.offset >= self.sinks and 0 < self.window == n_win
+        if deferral is not None and not ring_step:
+            keys, deferral = deferral(), None
         wdt = window_dtype(keys.dtype)
         # a call's own sink tokens are attended exactly, as on the transient path
         own_sinks = self.offset < self.sinks
         new_k, new_v, out_sk, out_sv = take_sinks(self, keys, values)
         n_new, n_before, w = new_k.shape[2], self._n_coded, self.window
-        n_win = 0 if self._wk is None else self._wk.shape[2]
         if n_new == 1 and w > 0 and n_win == w:
             # Decode once the window is full: the oldest token (ring slot `_ring`) leaves, is
             # encoded, and the new token takes its slot; this call's attention still sees it
@@ -461,9 +478,11 @@ class VecInferCache(CompressedCache):
                 "win": (self._wk, self._wv),
                 "encode": (slot, self.sinks + n_before),
                 "ring": slot,
-                # the model's unrotated key, where its rope is tapped (veloxquant.rope.tap)
+                # the model's unrotated key, where its rope is tapped (veloxquant.rope.tap),
+                # and the model's rotation of it where the tap handed it on unrotated
                 "unrotated_key": rope_tap.unrotated(keys),
-                "position": self.offset,
+                "deferral": deferral,
+                "position": int(self.offset),
             }
             self._ring = (slot + 1) % w
         elif n_new:
@@ -511,23 +530,28 @@ class VecInferCache(CompressedCache):
             self.last_attention = "kernel"
             in_place = pending.get("encode") is not None and kernels.WRITE_IN_PLACE
             if in_place:
+                pending = {**pending, "rotate": _unrotated(pending, queries)}
+            rotates = kernels.rotates_in_kernel(self, queries, pending)
+            if not rotates:
+                pending, queries = self._rotated_new(pending), rope_tap.rotated(queries)
+            if in_place:
                 self._reserve_codes(1)
             else:
                 if self._kbuf is not None:
                     self._reserve_codes(0)
                 self._write_ring(pending)
-            if in_place:
-                pending = {**pending, "rotate": _unrotated(pending, queries)}
             try:
                 out, codes = kernels.decode_attention(self, queries, scale, pending)
             except BaseException:
+                pending = self._rotated_new(pending)
                 if in_place:
                     self._write_ring(pending)
                 self._encode_leaving(pending)  # keep the cache whole, then fail
                 raise
             self._last_launch = out
-            rotated = self.__dict__.get("_kernel_memo", {}).get("rope_in")
-            self.last_rope = "kernel" if rotated else "model"
+            self.last_rope = "kernel" if rotates else "model"
+            if rotates:  # the next step's tapped rope hands its rows on unrotated
+                self.offset = rope_tap.DeferredPosition(self.offset)
             if in_place:  # the launch wrote the codes and the ring
                 self._n_coded += 1
                 self._last_write = out
@@ -535,6 +559,7 @@ class VecInferCache(CompressedCache):
                 self._append_codes(*codes)
             return out
         self.last_attention = "reference"
+        pending, queries = self._rotated_new(pending), rope_tap.rotated(queries)
         self._sync()  # the twin reads the code buffers
         self._write_ring(pending)
         pending = self._encode_leaving(pending)
@@ -561,7 +586,7 @@ class VecInferCache(CompressedCache):
     @property
     def meta_state(self) -> dict:
         return {
-            "offset": self.offset,
+            "offset": int(self.offset),
             "key_bits": self.key_bits,
             "key_sub_dim": self.key_sub_dim,
             "value_bits": self.value_bits,

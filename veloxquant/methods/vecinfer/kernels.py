@@ -2826,29 +2826,9 @@ def attention_inputs(
     n_coded = int(pending["n_coded"])
     r = TOKENS_PER_THREAD if r is None else r
     encode = pending.get("encode")  # (ring slot, position) of the token leaving the window
-    in_place = encode is not None and WRITE_IN_PLACE
-    if one_launch is None:  # memoised: the kernels only run on the one GPU backend there is
-        one_launch = memo.get(("one", r, ONE_LAUNCH))
-        if one_launch is None:
-            one_launch = memo[("one", r, ONE_LAUNCH)] = takes_one_launch(lay, r)
-    one = one_launch
-    if one and lay.head_dim > TILE:
-        raise ValueError(f"one launch needs head_dim <= {TILE}, not {lay.head_dim}")
-    one = one and (encode is None or in_place)
-    # the step's own query and key unrotated (`pending["rotate"]`: query, key, position, from
-    # the model's tapped rope): rotated in the launch, which writes the key into the ring
+    one, in_place = _launch_kind(cache, lay, r, pending, one_launch)
     rotate = pending.get("rotate")
-    rope_in = bool(
-        rotate is not None
-        and ROPE_IN_KERNEL
-        and one
-        and in_place
-        and lay.center
-        and rotate[0].dtype == rotate[1].dtype == queries.dtype
-        and rotate[0].shape == queries.shape
-        and rotate[1].shape == pending["new"][0].shape
-    )
-    memo["rope_in"] = rope_in  # the cache's last_rope
+    rope_in = _rotates(lay, one, in_place, queries, pending)
     # the splits fill one wave of the launch's threadgroups: as many as the card holds at once
     nbytes = memo.get(("bytes", r, one, MMA))
     if nbytes is None:
@@ -2942,6 +2922,45 @@ def attention_inputs(
         "in_place": in_place,
         "rope_in": rope_in,
     }
+
+
+def _launch_kind(
+    cache: Any, lay: Layout, r: int, pending: dict, one_launch: bool | None
+) -> tuple[bool, bool]:
+    """(one launch, in place) for the decode step behind `pending` (attention_inputs)."""
+    in_place = pending.get("encode") is not None and WRITE_IN_PLACE
+    if one_launch is None:  # memoised: the kernels only run on the one GPU backend there is
+        memo = cache.__dict__["_kernel_memo"]
+        one_launch = memo.get(("one", r, ONE_LAUNCH))
+        if one_launch is None:
+            one_launch = memo[("one", r, ONE_LAUNCH)] = takes_one_launch(lay, r)
+    if one_launch and lay.head_dim > TILE:
+        raise ValueError(f"one launch needs head_dim <= {TILE}, not {lay.head_dim}")
+    return one_launch and (pending.get("encode") is None or in_place), in_place
+
+
+def _rotates(lay: Layout, one: bool, in_place: bool, queries: mx.array, pending: dict) -> bool:
+    # the step's own query and key unrotated (`pending["rotate"]`: query, key, position, from
+    # the model's tapped rope): rotated in the launch, which writes the key into the ring
+    rotate = pending.get("rotate")
+    return bool(
+        rotate is not None
+        and ROPE_IN_KERNEL
+        and one
+        and in_place
+        and lay.center
+        and rotate[0].dtype == rotate[1].dtype == queries.dtype
+        and rotate[0].shape == queries.shape
+        and rotate[1].shape == pending["new"][0].shape
+    )
+
+
+def rotates_in_kernel(cache: Any, queries: mx.array, pending: dict) -> bool:
+    """Whether `decode_attention(cache, queries, scale, pending)` rotates the step's query and
+    key of pending["rotate"] inside its launch (attention_inputs' 'rope_in')."""
+    lay = layout_of(cache, queries.shape[1])
+    one, in_place = _launch_kind(cache, lay, TOKENS_PER_THREAD, pending, None)
+    return _rotates(lay, one, in_place, queries, pending)
 
 
 def takes_one_launch(lay: Layout, r: int | None = None) -> bool:
