@@ -687,6 +687,17 @@ def test_rows_handed_on_unrotated_are_rotated_on_every_other_path():
             with pytest.raises(RuntimeError, match="never followed by its attention"):
                 c.update_and_fetch(k_in, v)
         left = c._wk[:, :, (c._ring - 1) % c.window]
+        if deferring:  # a query changed between the rope and the attention: refused
+            twin = copy.copy(c)
+            twin.offset = DeferredPosition(twin.offset)
+            twin.update_and_fetch(tap(k, offset=twin.offset), v)
+            with pytest.raises(RuntimeError, match="changed the query"):
+                twin.fused_attention(tap(q, offset=twin.offset) * 1.0, scale=0.1)
+            assert twin._pending is None  # and the cache kept the key, rotated
+            np.testing.assert_array_equal(
+                np.array(twin._wk[:, :, (twin._ring - 1) % twin.window]),
+                np.array(module(k, offset=int(twin.offset) - 1).astype(twin._wk.dtype))[:, :, 0],
+            )
         # the transient path (fused off): the cache rotates the key, mlx-lm's attention
         # (through the dispatch) the query
         c.fused = False

@@ -525,6 +525,18 @@ class VecInferCache(CompressedCache):
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("VecInferCache.fused_attention: no update to attend over")
+        if pending.get("deferral") is not None and rope_tap.unrotated(queries) is None:
+            # the tap handed this step's query on unrotated, and what arrived is not that
+            # array: something changed it on the way, rotated or not; keep the cache whole
+            pending = self._rotated_new(pending)
+            self._encode_leaving(pending)
+            self._write_ring(pending)
+            raise RuntimeError(
+                "VecInferCache: the model's attention changed the query between its rope and "
+                "the attention call, so the cache cannot tell whether it is rotated. Set "
+                "veloxquant.methods.vecinfer.kernels.ROPE_IN_KERNEL = False (or "
+                "veloxquant.rope.untap(model)) for this model."
+            )
         b, n_q, n, _ = queries.shape
         if b == 1 and n == 1 and mask is None and kernels.kernels_take(self, n_q):
             self.last_attention = "kernel"
