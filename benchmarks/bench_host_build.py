@@ -8,7 +8,10 @@ and attention) and the whole step; then the two host functions of a fused layer 
 against the same stubbed kernel called directly. `--kivi` adds fused KIVI-2 and a mixed
 2/4-bit RateQuant allocation (their launches stubbed the same way). With `--baseline`, another
 revision's veloxquant/methods/vecinfer/kernels.py runs beside this tree's (a third arm on the
-same caches, as ab_kernel_revisions.py does).
+same caches, as ab_kernel_revisions.py does). With `--model-rope`, fused caches of their own
+whose steps take the model's rotation (`kernels.ROPE_IN_KERNEL` off, the model's rope modules
+untapped): the default arm's tapped rope hands its rows on unrotated and builds no rope op. The
+fp16 arm runs on the untapped model.
 
     git show 68321b7:veloxquant/methods/vecinfer/kernels.py > /tmp/base_kernels.py
     python benchmarks/bench_host_build.py --repeats 30 --baseline /tmp/base_kernels.py
@@ -29,6 +32,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import _get_classes
 
 import veloxquant.kernels as vk
+from veloxquant import rope
 from _common import fmt
 
 CONFIG = Path(__file__).parent / "configs" / "llama3-8b.json"
@@ -56,6 +60,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--baseline", help="a kernels.py of another revision, as a third arm")
     p.add_argument("--kivi", action="store_true", help="also fused KIVI-2 and mixed 2/4 caches")
+    p.add_argument("--model-rope", action="store_true", help="an arm with the model's RoPE")
     args = p.parse_args()
     import veloxquant.methods.kivi.kernels as kivi_kernels
     import veloxquant.methods.vecinfer as vecinfer
@@ -77,9 +82,11 @@ def main() -> None:
     for c in fp:
         x = mx.zeros((1, 8, args.context, 128), mx.bfloat16)
         c.update_and_fetch(x, x)
-    vq = default_layout_caches(model, args.context)
+    vq = default_layout_caches(model, args.context)  # taps the model's rope modules
     current = vecinfer.kernels
     arms = {"fp16": (fp, current), "vecinfer": (vq, current)}
+    if args.model_rope:
+        arms["model_rope"] = (default_layout_caches(model, args.context), current)
     if args.baseline:  # the cache looks its kernels module up on the package at every call
         arms["baseline"] = (vq, load_baseline(args.baseline))
     if args.kivi:
@@ -106,6 +113,8 @@ def main() -> None:
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotating order
             caches, kernels = arms[name]
             vecinfer.kernels = kernels
+            current.ROPE_IN_KERNEL = name != "model_rope"
+            (rope.untap if name in ("fp16", "model_rope") else rope.tap)(model)
             attention_time[0] = 0.0
             t = time.perf_counter()
             out = model(token, cache=caches)
@@ -118,6 +127,7 @@ def main() -> None:
             HELD.clear()
     llama.Attention.__call__ = original
     vecinfer.kernels = current
+    current.ROPE_IN_KERNEL = True
     print(f"mlx {mx.__version__}, {args.context}-token context, per layer:")
     for name, (att, step) in result.items():
         print(f"  {name:<8} attention {fmt(att, 1e6, ' us')}  whole step {fmt(step, 1e6, ' us')}")

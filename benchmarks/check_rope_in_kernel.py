@@ -20,6 +20,7 @@ import copy
 import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 
+from veloxquant import rope
 from veloxquant.methods.vecinfer import kernels as K
 from _common import random_weights_model
 from bench_generate import default_layout_caches
@@ -44,6 +45,7 @@ def compare(model, context: int, steps: int) -> None:
     print(
         f"context {context}: greedy tokens agree at {agree} of {steps} steps; largest logit "
         f"difference / largest logit {worst:.2e}; rotated by (tapped, copies) {sorted(rotated_by)}"
+        f"; deferred {sorted({type(c.offset).__name__ for c in caches})}"
     )
 
 
@@ -53,7 +55,9 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 65536])
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--no-defer", action="store_true", help="rope.DEFER off: rope ops built")
     args = p.parse_args()
+    rope.DEFER = not args.no_defer
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
     model = random_weights_model(args.random_weights, getattr(mx, args.dtype))
     for context in args.contexts:

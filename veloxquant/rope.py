@@ -142,6 +142,11 @@ class RopeTap(nn.Module):
         return y
 
 
+# Whether a cache whose kernel rotated a step's rows defers the next step's (DeferredPosition);
+# benchmarks compare the two.
+DEFER = True
+
+
 class DeferredPosition(int):
     """A cache's offset asking its model's tapped rope modules (`RopeTap`) to hand one-token
     rows on unrotated: the cache rotates them itself (`rotated`)."""

@@ -562,7 +562,8 @@ class VecInferCache(CompressedCache):
                 raise
             self._last_launch = out
             self.last_rope = "kernel" if rotates else "model"
-            if rotates:  # the next step's tapped rope hands its rows on unrotated
+            if rotates and rope_tap.DEFER:  # the next step's tapped rope hands its rows on
+                # unrotated
                 self.offset = rope_tap.DeferredPosition(self.offset)
             if in_place:  # the launch wrote the codes and the ring
                 self._n_coded += 1
