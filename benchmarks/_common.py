@@ -31,10 +31,13 @@ def gemm_gflops(repeats: int, n: int = 2048) -> list[float]:
     return out
 
 
-def random_weights_model(config_json: str | Path, dtype: mx.Dtype):
-    """The architecture of `config_json` with mlx's default random init, cast to `dtype`
-    (timings and memory do not depend on the weight values)."""
+def random_weights_model(config_json: str | Path, dtype: mx.Dtype, seed: int = 0):
+    """The architecture of `config_json` with mlx's default random init from `seed`, cast to
+    `dtype` (timings and memory do not depend on the weight values; greedy-token checks do, and
+    MLX seeds its own generator from the clock)."""
     from mlx_lm.utils import _get_classes
+
+    mx.random.seed(seed)
 
     config = json.loads(Path(config_json).read_text())
     model_class, args_class = _get_classes(config)

@@ -643,6 +643,42 @@ def test_cache_kernel_path_writes_the_cache_in_place(
     assert agree > 0.97
 
 
+@needs_cxx
+def test_deferring_the_rotation_changes_nothing_but_the_graph(smollm2, bundle, prompt, monkeypatch):
+    # With rope.DEFER the tapped rope builds no rope op for a cache whose kernel rotates; the
+    # kernel gets the same unrotated rows either way, so the logits, codes and window must be
+    # bit for bit those of copies of the caches that do build them (DEFER off).
+    import veloxquant.kernels as vk
+    from veloxquant import rope
+    from veloxquant.rope import DeferredPosition
+
+    model, _ = smollm2
+    monkeypatch.setattr(VecInferCache, "CODE_STEP", 16)
+    caches = _caches(model, _config("calibrated", bundle), True, monkeypatch)
+    try:
+        token = mx.argmax(_prefill(model, caches, prompt[:, :100]), axis=-1)[:, None]
+        copies = [copy.copy(c) for c in caches]
+        with monkeypatch.context() as m:
+            m.setattr(vk, "backend", lambda: "cuda")
+            m.setattr(vk, "launch", _emulated_launch)
+            m.setattr(vk, "launcher", _emulated_launcher)
+            for step in range(3):
+                m.setattr(rope, "DEFER", True)
+                got = model(token, cache=caches)[:, -1]
+                m.setattr(rope, "DEFER", False)
+                want = model(token, cache=copies)[:, -1]
+                assert all(isinstance(c.offset, DeferredPosition) for c in caches)
+                assert not any(isinstance(c.offset, DeferredPosition) for c in copies)
+                assert {c.last_rope for c in caches + copies} == {"kernel"}
+                assert mx.array_equal(got, want).item(), step
+                token = mx.argmax(want, axis=-1)[:, None]
+        for c, twin in zip(caches, copies, strict=True):
+            assert mx.array_equal(c.key_codes, twin.key_codes).item()
+            assert mx.array_equal(c.window_keys, twin.window_keys).item()
+    finally:
+        attention.uninstall()
+
+
 def test_rows_handed_on_unrotated_are_rotated_on_every_other_path():
     # A cache whose offset defers (rope.DeferredPosition) gets its step's query and key from
     # the model's tapped rope unrotated. Where no kernel rotates them, the cache rotates them
