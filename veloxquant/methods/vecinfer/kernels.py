@@ -2306,16 +2306,25 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
 
 # Element n of the RoPE of `row` (D elements, pairs (n, n + D/2), or (2j, 2j + 1) when
 # traditional) at the scaled position rpos, as mx.fast.rope forms it: the angle
-# rpos * inv_freq[j] in float32, x1 c - x2 s and x1 s + x2 c in float32, and one rounding to
-# the model's dtype T (what the model's own rotation hands on). The cosine and sine are the
-# SFU's (within 2^-21 of the true values) of the angle reduced to [-pi, pi] in double precision:
-# CUDA's accurate sincosf has a slow path for angles past 1e5 rad (128K tokens reach 1.3e5),
-# whose local array and registers, merely present in the kernel, cost the tile loop spills.
-# The partner element is read from memory rather than shuffled in: the callers hold their
-# elements in different lane layouts, and the row is one cached line.
+# rpos * inv_freq[j] in float32, its accurate cosine and sine, x1 c - x2 s and x1 s + x2 c in
+# float32, and one rounding to the model's dtype T (what the model's own rotation hands on).
+# The sine and cosine are a call kept out of line: inlined, sincosf's slow path for angles past
+# 1e5 rad (128K tokens reach 1.3e5), a local array and its registers, cost the tile loop
+# spills (3 loads and 2 stores of local memory a tile; `kernel_code_size.py --one-launch`),
+# though the loop never runs it. The partner element is read from memory rather than
+# shuffled in: the callers hold their elements in different lane layouts, and the row is one
+# cached line.
 _ROPE_IN_HELPER = """
 #ifndef VQ_ROPE_IN_HELPER
 #define VQ_ROPE_IN_HELPER
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+#define VQ_NOINLINE __noinline__
+#else
+#define VQ_NOINLINE
+#endif
+VQ_NOINLINE __device__ void vq_rope_sincos(float theta, float* sn, float* cs) {
+  VQ_SINCOS(theta, *sn, *cs);
+}
 template <typename T, int D_, bool TRAD_, typename X>
 VQ_FN float vq_rope_in(const VQ_GLOBAL X* row, int n, float rpos, const VQ_GLOBAL float* inv_freq) {
   const bool first = TRAD_ ? (n & 1) == 0 : n < D_ / 2;
@@ -2323,10 +2332,8 @@ VQ_FN float vq_rope_in(const VQ_GLOBAL X* row, int n, float rpos, const VQ_GLOBA
   const int j = TRAD_ ? n / 2 : (first ? n : mate);
   const float x1 = static_cast<float>(row[first ? n : mate]);
   const float x2 = static_cast<float>(row[first ? mate : n]);
-  const double theta = (double)(rpos * inv_freq[j]);
-  const float reduced = (float)(theta - rint(theta * 0.15915494309189535) * 6.283185307179586);
   float sn, cs;
-  VQ_FAST_SINCOS(reduced, sn, cs);
+  vq_rope_sincos(rpos * inv_freq[j], &sn, &cs);
   return static_cast<float>(static_cast<T>(first ? x1 * cs - x2 * sn : x1 * sn + x2 * cs));
 }
 #endif
