@@ -8,6 +8,11 @@ own rope module and applies it with `mx.fast.rope`, the same kernel mlx-lm's mod
 Supported: `mlx.nn.RoPE` (plain and linear-scaled) and mlx-lm's `Llama3RoPE` (frequency table).
 Other variants (YaRN and SuScaled multiply by an mscale, dynamic NTK changes with the length)
 are refused with an error naming the class.
+
+`RopeTap` wraps a model's rope modules (`tap` / `untap`) so that a fused cache can rotate the
+decode step's own query and key inside its attention kernel instead (`unrotated`), and, once it
+does, have them handed on unrotated without building the model's rotation at all
+(`DeferredPosition`, `deferral`, `rotated`).
 """
 
 from __future__ import annotations
@@ -173,7 +178,8 @@ def _find(y: mx.array) -> tuple | None:
 
 def unrotated(y: mx.array) -> tuple[mx.array, int] | None:
     """(x, offset) when `y` is the very array a `RopeTap` returned for x at that offset on this
-    thread (recently): x's rotation, or x itself handed on unrotated (`deferred`); else None."""
+    thread (recently): x's rotation, or x itself handed on unrotated (a DeferredPosition);
+    else None."""
     entry = _find(y)
     return None if entry is None else (entry[1], entry[2])
 
@@ -198,8 +204,8 @@ def rotated(y: mx.array) -> mx.array:
 
 def tap(model: Any) -> bool:
     """Wrap each attention layer's rope module of `model` in a `RopeTap` (idempotent). Returns
-    False, tapping nothing, when the layers' rotation is not one `RopeSpec` reproduces (it
-    raises then, naming why; `RopeSpec.of`)."""
+    False, tapping nothing, where `RopeSpec.of` refuses the layers' rotation (the caches then
+    take the model's own)."""
     try:
         RopeSpec.of(model)
     except (ValueError, AttributeError):
