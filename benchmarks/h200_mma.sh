@@ -39,8 +39,9 @@
 #                                       # in flight 32 / 64 against 16
 #   bash benchmarks/h200_mma.sh rope    # the step's query and key rotated inside the one-launch
 #                                       # kernel (the model's rope tapped) against the model's
-#                                       # rotation: greedy tokens and logits at 4K / 64K, ncu of
-#                                       # every kernel of real 64K steps
+#                                       # rotation: greedy tokens and logits at 4K / 64K, the
+#                                       # rope ops deferred and built, ncu of every kernel of
+#                                       # real 64K steps
 #   bash benchmarks/h200_mma.sh rope_e2e  # ... and tokens/s against fp16 at 16K / 64K / 128K
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
@@ -289,10 +290,13 @@ phases)
 rope)
   sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
   grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
-  echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape)"
-  timeout 120 python benchmarks/check_rope_in_kernel.py \
-    --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
-    | tee "$OUT/check_rope.txt"
+  echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape,"
+  echo "   seeded weights), the rope ops deferred (the default) and built (--no-defer)"
+  for defer in "" --no-defer; do
+    timeout 100 python benchmarks/check_rope_in_kernel.py $defer \
+      --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
+      | tee -a "$OUT/check_rope.txt"
+  done
   echo "== ncu inside real 64K decode steps, every kernel: fp16, this tree, the model's RoPE"
   ncu_steps modelrope 65536 | head -60
   ;;
