@@ -662,7 +662,7 @@ def test_deferring_the_rotation_changes_nothing_but_the_graph(smollm2, bundle, p
             m.setattr(vk, "backend", lambda: "cuda")
             m.setattr(vk, "launch", _emulated_launch)
             m.setattr(vk, "launcher", _emulated_launcher)
-            for step in range(3):
+            for step in range(2):  # the caches' second step deferred
                 m.setattr(rope, "DEFER", True)
                 got = model(token, cache=caches)[:, -1]
                 m.setattr(rope, "DEFER", False)
@@ -783,14 +783,12 @@ def test_a_tapped_model_s_decode_steps_rotate_inside_the_kernel(
             m.setattr(vk, "backend", lambda: "cuda")
             m.setattr(vk, "launch", _emulated_launch)
             m.setattr(vk, "launcher", _emulated_launcher)
-            # steps 2 on: the caches' offsets defer (the tap hands the rows on unrotated and
-            # builds no rotation); step 3: a deferred step whose kernel does not rotate (the
+            # step 1 on: the caches' offsets defer (the tap hands the rows on unrotated and
+            # builds no rotation); step 2: a deferred step whose kernel does not rotate (the
             # switch off for the caches too), so the cache rotates with the model's module
-            for step in range(5):
-                rotate_in_kernel = step != 3
-                assert all(isinstance(c.offset, DeferredPosition) for c in caches) is (
-                    step in (1, 2, 3)
-                )
+            for step in range(3):
+                rotate_in_kernel = step != 2
+                assert all(isinstance(c.offset, DeferredPosition) for c in caches) is (step > 0)
                 m.setattr(K, "ROPE_IN_KERNEL", rotate_in_kernel)
                 got = model(token, cache=caches)[:, -1]
                 assert {c.last_rope for c in caches} == {"kernel" if rotate_in_kernel else "model"}
