@@ -5,11 +5,13 @@ keys coded around a RoPE-rotated mean, so the caches know the model's RoPE), and
 them, decoded step for step from the same greedy tokens (the copies' with the model's
 rotation). Prints, per context, how many of the steps' greedy tokens agree, the largest logit
 difference relative to the largest logit, and who rotated (`last_rope`: the kernel for the
-tapped caches, the model for the copies). ncu counts the launches a step saves
+tapped caches, the model for the copies) and whether the caches' steps were deferred (the rope
+ops not built at all; `--no-defer` builds them, `veloxquant.rope.DEFER`). The weights are
+seeded, so two runs decode the same tokens. ncu counts the launches a step saves
 (`h200_mma.sh rope`).
 
     python benchmarks/check_rope_in_kernel.py --random-weights benchmarks/configs/llama3-8b.json \
-        --contexts 4096 65536 --steps 32
+        --contexts 4096 65536 --steps 32 [--no-defer]
 """
 
 from __future__ import annotations
