@@ -526,6 +526,64 @@ def test_one_launch_rotates_the_step_s_own_query_and_key(layout, mma, traditiona
         assert (np.abs(got_ring[:, :, slot].astype(np.float32) - row) <= step).all()
 
 
+def test_a_step_s_launch_inputs_follow_switches_flipped_between_steps(monkeypatch):
+    # attention_inputs keeps what the kind of step decides (kernels, in place, rotation, the
+    # layer pack) on the cache (_step_kind); a module switch flipped between two steps of the
+    # same cache must give what a cache that never saw the other setting gives
+    import mlx.nn as nn
+
+    from veloxquant.rope import RopeSpec
+
+    layout = OTHER_LAYOUTS[0]
+    d, g = layout[:2]
+    h = 2
+    c, normal = _random_cache(layout, h=h)
+    c.rope = RopeSpec.from_module(nn.RoPE(d, base=10000.0), d)
+    c.update_and_fetch(normal(1, h, 300, d, scale=2.0), normal(1, h, 300, d))
+    mx.eval(c.fused_attention(normal(1, h * g, 300, d), scale=0.1))
+    pos = c.offset
+    k_pre, v = normal(1, h, 1, d, scale=2.0), normal(1, h, 1, d)
+    c.update_and_fetch(c.rope.apply(k_pre, pos), v)
+    pending, c._pending = c._pending, None
+    q_pre = normal(1, h * g, 1, d, scale=2.0)
+    q_rot = c.rope.apply(q_pre, pos)
+    c._reserve_codes(1)
+    rotate = {**pending, "rotate": (q_pre, k_pre, pos)}
+
+    def inputs(scale=1.0):
+        a = K.attention_inputs(c, q_rot, scale, rotate, one_launch=True)
+        kinds = (a["rope_in"], a["in_place"], a["groups"], a["encode"])
+        names = [src.kernel_name for src in a["sources"]]
+        arrays = [np.array(x.astype(mx.float32)) for x in a["partial"] + a["combine_extra"]]
+        return kinds, names, arrays
+
+    settings = [
+        {},
+        {"ROPE_IN_KERNEL": False},
+        {"MMA": False},
+        {"WRITE_IN_PLACE": False},
+        {"COMBINE_FLOAT4": False},
+        {"KEY_ROWS_AHEAD": False},
+        {"MMA_MIN_THREADGROUPS": 0},
+        {"scale": 0.5},
+    ]
+    seen = set()
+    for setting in settings + settings[::-1]:
+        with monkeypatch.context() as m:
+            for name, value in setting.items():
+                if name != "scale":
+                    m.setattr(K, name, value)
+            warm = inputs(setting.get("scale", 1.0))  # the memo holds every other setting
+            memo = c.__dict__.pop("_kernel_memo")
+            fresh = inputs(setting.get("scale", 1.0))
+            c._kernel_memo = memo
+        assert warm[:2] == fresh[:2], setting
+        for got, want in zip(warm[2], fresh[2], strict=True):
+            np.testing.assert_array_equal(got, want)
+        seen.add((warm[0], tuple(warm[1]), tuple(x.tobytes() for x in warm[2])))
+    assert len(seen) == len(settings)  # each setting a launch of its own
+
+
 @needs_cxx
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
 def test_emulated_encode_kernel_matches_the_cache_encoder(
@@ -1440,6 +1498,7 @@ def test_decode_step_launch_params_hold_their_values(on_gpu, monkeypatch):
     monkeypatch.setattr(vk, "backend", lambda: "cuda" if on_gpu else None)
     monkeypatch.setattr(vk, "_PARAMS", collections.OrderedDict())
     monkeypatch.setattr(vk, "_STEPS", {})
+    monkeypatch.setattr(vk, "_LATEST_PARAMS", (None, None))
     window, sinks, made = 26, 4, []
     for t in range(300, 360):  # decode: a token more, the ring a slot on, tps grows at 320
         tps = 512 if t < 320 else 768

@@ -508,16 +508,21 @@ LAUNCH_PARAMS_KEPT = 16  # recent value sets kept: every layer of a step asks fo
 _PARAMS_LOCK = threading.Lock()
 _PARAMS: OrderedDict[tuple[int, ...], mx.array] = OrderedDict()
 _STEPS: dict[tuple[int, ...], mx.array] = {}  # differences between value sets, on the GPU
+_LATEST_PARAMS: tuple[tuple[int, ...] | None, mx.array | None] = (None, None)
 
 
 def launch_params(values: tuple[int, ...]) -> mx.array:
     """An int32 array of `values` for a kernel launch, one array per value set among recent
     calls (see DEVICE_LAUNCH_PARAMS for how a new set is made on CUDA). A value outside int32
     is a ValueError."""
+    latest = _LATEST_PARAMS  # every layer of a decode step asks for the same set: no lock
+    if latest[0] == values:
+        return latest[1]
     with _PARAMS_LOCK:
         made = _PARAMS.get(values)
         if made is not None:
             _PARAMS.move_to_end(values)
+            _set_latest(values, made)
             return made
         if not all(-(2**31) <= v < 2**31 for v in values):
             raise ValueError(f"launch parameters {values} do not fit int32")
@@ -532,7 +537,13 @@ def launch_params(values: tuple[int, ...]) -> mx.array:
         _PARAMS[values] = made
         if len(_PARAMS) > LAUNCH_PARAMS_KEPT:
             _PARAMS.popitem(last=False)
+        _set_latest(values, made)
         return made
+
+
+def _set_latest(values: tuple[int, ...], made: mx.array) -> None:
+    global _LATEST_PARAMS
+    _LATEST_PARAMS = (values, made)  # one tuple: a reader sees the old pair or the new one
 
 
 def _from_recent(values: tuple[int, ...]) -> mx.array | None:

@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
+import veloxquant.methods.vecinfer.kernels  # noqa: F401  (read from the package per call, below)
 from veloxquant import attention
 from veloxquant import rope as rope_tap
 from veloxquant.codes import code_bytes, pq_decode, pq_encode
@@ -465,7 +466,10 @@ class VecInferCache(CompressedCache):
         wdt = window_dtype(keys.dtype)
         # a call's own sink tokens are attended exactly, as on the transient path
         own_sinks = self.offset < self.sinks
-        new_k, new_v, out_sk, out_sv = take_sinks(self, keys, values)
+        if own_sinks:
+            new_k, new_v, out_sk, out_sv = take_sinks(self, keys, values)
+        else:  # (take_sinks would build float32 copies of the stored sinks, unread here)
+            new_k, new_v = keys, values
         n_new, n_before, w = new_k.shape[2], self._n_coded, self.window
         if n_new == 1 and w > 0 and n_win == w:
             # Decode once the window is full: the oldest token (ring slot `_ring`) leaves, is
@@ -520,7 +524,7 @@ class VecInferCache(CompressedCache):
         """Attention of `queries` over everything the cache holds after the latest update, in
         the model's dtype, without dequantizing the coded past: the GPU kernels for a single
         decode query, the pure-MLX twin (same algebra, in pieces) otherwise."""
-        from veloxquant.methods.vecinfer import kernels
+        kernels = veloxquant.methods.vecinfer.kernels  # the package's: benchmarks swap it
 
         pending, self._pending = self._pending, None
         if pending is None:
@@ -541,19 +545,23 @@ class VecInferCache(CompressedCache):
         if b == 1 and n == 1 and mask is None and kernels.kernels_take(self, n_q):
             self.last_attention = "kernel"
             in_place = pending.get("encode") is not None and kernels.WRITE_IN_PLACE
-            if in_place:
+            if in_place:  # the step's own rows before the model's RoPE, for the launch to rotate
                 pending = {**pending, "rotate": _unrotated(pending, queries)}
-            rotates = kernels.rotates_in_kernel(self, queries, pending)
-            if not rotates:
-                pending, queries = self._rotated_new(pending), rope_tap.rotated(queries)
-            if in_place:
                 self._reserve_codes(1)
             else:
+                pending, queries = self._rotated_new(pending), rope_tap.rotated(queries)
                 if self._kbuf is not None:
                     self._reserve_codes(0)
                 self._write_ring(pending)
             try:
-                out, codes = kernels.decode_attention(self, queries, scale, pending)
+                a = kernels.attention_inputs(self, queries, scale, pending)
+                rotates = a.get("rope_in", False)
+                if not rotates:  # the launch takes the rows as the model rotates them
+                    new_pending, new_queries = self._rotated_new(pending), rope_tap.rotated(queries)
+                    if new_pending is not pending or new_queries is not queries:
+                        pending, queries = {**new_pending, "rotate": None}, new_queries
+                        a = kernels.attention_inputs(self, queries, scale, pending)
+                out, codes = kernels.launch_attention(a, queries)
             except BaseException:
                 pending = self._rotated_new(pending)
                 if in_place:

@@ -61,6 +61,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+import veloxquant.kernels as vk  # its functions looked up per call: tests stub `vk.backend`
 from veloxquant import attention
 from veloxquant.codes import code_bytes, pq_decode
 from veloxquant.kernels import (
@@ -2384,7 +2385,7 @@ def one_launch_kernel_source(
     if rope_in and not lay.center:
         raise ValueError("rope_in needs a layout with the key mean (a cache with the RoPE)")
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK, mma)
-    key += (COMBINE_FLOAT4,)
+    key += (COMBINE_FLOAT4, KEY_ROWS_AHEAD)
     key += (MMA_MIN_THREADGROUPS, rope_in)
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
@@ -2601,9 +2602,7 @@ def layer_constants(cache: Any, r: int) -> dict[str, Any]:
 
 def kernels_take(cache: Any, n_q_heads: int) -> bool:
     """Whether the GPU kernels run for this cache here: a GPU backend and a supported layout."""
-    from veloxquant.kernels import backend
-
-    which = backend()
+    which = vk.backend()
     if which is None:
         return False
     memo = cache.__dict__.setdefault("_kernel_memo", {})
@@ -2827,76 +2826,67 @@ def attention_inputs(
     (default: `takes_one_launch`) picks one launch where the step allows it (the encode, if
     any, in place); benchmarks of the partial kernel alone pass False."""
     _, n_q, _, d = queries.shape
-    lay = layout_of(cache, n_q)
-    memo = cache.__dict__["_kernel_memo"]  # made by layout_of
-    h = lay.n_kv_heads
-    n_coded = int(pending["n_coded"])
     r = TOKENS_PER_THREAD if r is None else r
     encode = pending.get("encode")  # (ring slot, position) of the token leaving the window
-    one, in_place = _launch_kind(cache, lay, r, pending, one_launch)
-    rotate = pending.get("rotate")
-    rope_in = _rotates(lay, one, in_place, queries, pending)
-    # the splits fill one wave of the launch's threadgroups: as many as the card holds at once
-    nbytes = memo.get(("bytes", r, one, MMA))
-    if nbytes is None:
-        nbytes = memo[("bytes", r, one, MMA)] = threadgroup_bytes(lay, r, one)
-    tps = split_tokens(n_coded, h, r, target_groups(nbytes))
-    n_splits = -(-n_coded // tps) if n_coded else 0
-    const = layer_constants(cache, r)
     kbuf, vbuf = cache._kbuf, cache._vbuf
-    if kbuf is None:  # nothing coded, and nothing to write
-        kbuf = _dummy((1, h, 1, lay.key_bytes), mx.uint8)
-        vbuf = _dummy((1, h, 1, lay.value_bytes), mx.uint8)
-    f16 = mx.float16
     sk, sv = cache.sink_keys, cache.sink_values
+    win = pending["win"]
+    nk, nv = pending["new"]
+    last = cache._last_launch
+    step = _step_kind(cache, queries, scale, r, one_launch, encode, kbuf, sk, win, nk, nv, last)
+    lay, h, one, in_place = step["layout"], step["n_kv_heads"], step["one"], step["in_place"]
+    rotate = pending.get("rotate")
+    rope_in = step["may_rotate"] and _rotates(lay, one, in_place, queries, pending)
+    n_coded = int(pending["n_coded"])
+    # the splits fill one wave of the launch's threadgroups: as many as the card holds at once
+    tps = split_tokens(n_coded, h, r, target_groups(step["group_bytes"]))
+    n_splits = -(-n_coded // tps) if n_coded else 0
+    if kbuf is None:  # nothing coded, and nothing to write
+        kbuf, vbuf = step["no_codes"]
     if sk is None:
-        sk = sv = _dummy((1, h, 1, d), f16)
+        sk = sv = step["no_rows"]
         n_sink = 0
     else:
         n_sink = int(sk.shape[2])
-    win = pending["win"]
     if win is None:
-        wk = wv = _dummy((1, h, 1, d), f16)
+        wk = wv = step["no_rows"]
         n_win = 0
     else:
         wk, wv = win
         n_win = int(wk.shape[2])
-    nk, nv = pending["new"]
     if rope_in:
         queries, nk = rotate[0], rotate[1]
-    iparams = [n_coded, cache.sinks, tps, n_sink, n_win, int(nk.shape[2])]
-    iparams += [int(kbuf.shape[2]), int(wk.shape[2])]
-    if encode is not None:
-        iparams += [1, encode[0], int(wk.shape[2]), encode[1]]
-    else:
-        iparams += [0, 0, 0, 0]
-    iparams.append(const["exact_pairs"])  # at PHASE_PARAM
+    n_rows, ring = int(kbuf.shape[2]), int(wk.shape[2])
+    iparams = [n_coded, cache.sinks, tps, n_sink, n_win, int(nk.shape[2]), n_rows, ring]
+    iparams += [1, encode[0], ring, encode[1]] if encode is not None else [0, 0, 0, 0]
+    iparams.append(step["exact_pairs"])  # at PHASE_PARAM
     iparams.append(int(rotate[2]) if rope_in else 0)  # at ROPE_POS_PARAM
     iparams = _int_params(iparams)
-    last = cache._last_launch
-    last = last if last is not None else _dummy((8,), queries.dtype)
-    if one and n_splits and int(kbuf.shape[2]) % 16 and mma_takes(lay, r):
+    if last is None:
+        last = step["no_launch"]
+    if one and n_splits and n_rows % 16 and step["mma"]:
         raise ValueError(
-            f"vecinfer: the code buffers hold {int(kbuf.shape[2])} tokens, not a multiple of 16, "
+            f"vecinfer: the code buffers hold {n_rows} tokens, not a multiple of 16, "
             "and the tensor-core kernel reads whole 16-token blocks; grow them with "
             "VecInferCache._reserve_codes (as fused_attention does) or set kernels.MMA = False"
         )
+    const = step["constants"]
     if one:  # ONE_LAUNCH_INPUTS
-        pack = _layer_pack(cache, lay, const, r, scale)
-        partial = [queries, iparams, kbuf, vbuf, pack, sk, sv, wk, wv, nk, nv, last]
+        partial = [queries, iparams, kbuf, vbuf, step["pack"], sk, sv, wk, wv, nk, nv, last]
+        extra = []
     else:  # PARTIAL_INPUTS
         fparams = _float_params(scale * LOG2E, const["rscale"])
         key_mean, inv_freq = const["key_mean"], const["inv_freq"]
         partial = [queries, iparams, fparams, kbuf, vbuf, cache.key_codebook]
         partial += [cache.value_codebook, cache.smooth, key_mean, inv_freq, const["table"]]
         partial += [sk, sv, wk, wv, nk, nv, last]
-    # the kernels and their launchers for this kind of step, memoised on the cache: the inputs
-    # whose dtypes can change between steps (placeholders before the sinks and the window
-    # exist) are in the key, every other input is the cache's own and fixed
-    dtypes = (queries.dtype, sk.dtype, sv.dtype, wk.dtype, wv.dtype, nk.dtype, nv.dtype)
-    key = ("plan", n_q, r, encode is not None, in_place, one, COMBINE_CHUNK, COMBINE_FLOAT4)
-    key += (MMA, KEY_ROWS_AHEAD, last.dtype, *dtypes, rope_in)
-    plan = memo.get(key)
+        extra = [iparams, const["value_smooth"], const["value_mean"]]
+        if encode is not None:  # the combine with the encoder: its inputs after the combine's
+            extra += [wk, wv, fparams, cache.smooth, key_mean, inv_freq]
+            extra += [cache.key_codebook, cache.value_codebook]
+        if in_place:
+            extra += [kbuf, vbuf, nk, nv]
+    plan = step["plans"][rope_in]
     if plan is None:
         if one:
             sources = (one_launch_kernel_source(lay, queries.dtype, wk.dtype, r, rope_in),)
@@ -2906,16 +2896,7 @@ def attention_inputs(
                 window = wk.dtype if in_place else None
                 combine = combine_encode_kernel_source(lay, queries.dtype, window)
                 sources = (sources[0], combine)
-        plan = memo[key] = {"sources": sources, "launchers": None}
-    if one:
-        extra = []
-    else:
-        extra = [iparams, const["value_smooth"], const["value_mean"]]
-        if encode is not None:  # the combine with the encoder: its inputs after the combine's
-            extra += [wk, wv, fparams, cache.smooth, key_mean, inv_freq]
-            extra += [cache.key_codebook, cache.value_codebook]
-        if in_place:
-            extra += [kbuf, vbuf, nk, nv]
+        plan = step["plans"][rope_in] = {"sources": sources, "launchers": None}
     return {
         "layout": lay,
         "sources": plan["sources"],
@@ -2929,6 +2910,64 @@ def attention_inputs(
         "in_place": in_place,
         "rope_in": rope_in,
     }
+
+
+def _step_kind(
+    cache: Any,
+    queries: mx.array,
+    scale: float,
+    r: int,
+    one_launch: bool | None,
+    encode: tuple | None,
+    kbuf: mx.array | None,
+    sk: mx.array | None,
+    win: tuple | None,
+    nk: mx.array,
+    nv: mx.array,
+    last: mx.array | None,
+) -> dict:
+    """What attention_inputs takes that only the kind of decode step decides (the layout, one
+    launch or two, in place, the constants, the layer pack, the kernels), memoised on the cache
+    under everything it depends on: the step's shapes and dtypes, which inputs are
+    placeholders, and the module switches that tests and benchmarks flip between steps. A
+    decode step then looks up one key per layer instead of building each part's own."""
+    n_q = queries.shape[1]
+    key = (
+        "step", n_q, r, one_launch, encode is None, scale, queries.dtype, kbuf is None,
+        None if sk is None else (sk.dtype, cache.sink_values.dtype),
+        None if win is None else (win[0].dtype, win[1].dtype),
+        nk.dtype, nv.dtype, None if last is None else last.dtype,
+        MMA, TILE, COMBINE_CHUNK, COMBINE_FLOAT4, KEY_ROWS_AHEAD, WRITE_IN_PLACE, ONE_LAUNCH,
+        ROPE_IN_KERNEL, THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES, MMA_MIN_THREADGROUPS,
+    )  # fmt: skip
+    memo = cache.__dict__.setdefault("_kernel_memo", {})
+    step = memo.get(key)
+    if step is not None:
+        return step
+    lay = layout_of(cache, n_q)
+    h, d = lay.n_kv_heads, queries.shape[3]
+    one, in_place = _launch_kind(cache, lay, r, {"encode": encode}, one_launch)
+    const = layer_constants(cache, r)
+    step = memo[key] = {
+        "layout": lay,
+        "n_kv_heads": h,
+        "one": one,
+        "in_place": in_place,
+        "may_rotate": ROPE_IN_KERNEL and one and in_place and lay.center,
+        "group_bytes": threadgroup_bytes(lay, r, one),
+        "constants": const,
+        "exact_pairs": const["exact_pairs"],
+        "mma": mma_takes(lay, r),
+        "pack": _layer_pack(cache, lay, const, r, scale) if one else None,
+        "no_codes": (
+            _dummy((1, h, 1, lay.key_bytes), mx.uint8),
+            _dummy((1, h, 1, lay.value_bytes), mx.uint8),
+        ),
+        "no_rows": _dummy((1, h, 1, d), mx.float16),
+        "no_launch": _dummy((8,), queries.dtype),
+        "plans": {False: None, True: None},  # by whether the launch rotates (rope_in)
+    }
+    return step
 
 
 def _launch_kind(
@@ -3027,8 +3066,6 @@ def launch_partial(a: dict, queries: mx.array) -> list[mx.array]:
 def _launchers(a: dict) -> list:
     """The launchers of a's kernels (`veloxquant.kernels.launcher`), built and their inputs
     checked at the first step of a kind, then kept with the cache's plan for it."""
-    from veloxquant.kernels import check_inputs, launcher
-
     plan = a["plan"]
     if plan["launchers"] is None:
         inputs = [a["partial"]]
@@ -3037,8 +3074,8 @@ def _launchers(a: dict) -> list:
             inputs.append(parts + a["combine_extra"])
         launchers = []
         for src, ins in zip(a["sources"], inputs, strict=True):
-            check_inputs(src, ins)
-            launchers.append(launcher(src, tuple([x.dtype for x in ins])))
+            vk.check_inputs(src, ins)
+            launchers.append(vk.launcher(src, tuple([x.dtype for x in ins])))
         plan["launchers"] = launchers
     return plan["launchers"]
 
