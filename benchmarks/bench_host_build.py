@@ -11,7 +11,9 @@ revision's veloxquant/methods/vecinfer/kernels.py runs beside this tree's (a thi
 same caches, as ab_kernel_revisions.py does). With `--model-rope`, fused caches of their own
 whose steps take the model's rotation (`kernels.ROPE_IN_KERNEL` off, the model's rope modules
 untapped): the default arm's tapped rope hands its rows on unrotated and builds no rope op. The
-fp16 arm runs on the untapped model.
+fp16 arm runs on the untapped model. With `--calls`, cProfile's count of function calls per layer
+step for each arm: a count, the same however loaded the machine is, for an A/B of host work
+between two checkouts (run this file in each).
 
     git show 68321b7:veloxquant/methods/vecinfer/kernels.py > /tmp/base_kernels.py
     python benchmarks/bench_host_build.py --repeats 30 --baseline /tmp/base_kernels.py
@@ -54,6 +56,26 @@ def stub_kernel(*, name, **_):
     return call
 
 
+def step_calls(model, caches, token, fp16: bool, steps: int = 10) -> tuple[float, float]:
+    """cProfile's count of function calls (Python's and C's) per layer of a decode step's graph
+    build: all of them, and those in veloxquant's own files."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    for _ in range(steps):
+        profile.enable()
+        out = model(token, cache=caches)
+        profile.disable()
+        mx.eval(out if fp16 else [c.state for c in caches])
+        HELD.clear()
+    stats = pstats.Stats(profile).stats
+    ours = sum(v[1] for k, v in stats.items() if "/veloxquant/" in k[0])
+    total = sum(v[1] for v in stats.values())
+    per = steps * len(caches)
+    return total / per, ours / per
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--context", type=int, default=4096)
@@ -61,6 +83,7 @@ def main() -> None:
     p.add_argument("--baseline", help="a kernels.py of another revision, as a third arm")
     p.add_argument("--kivi", action="store_true", help="also fused KIVI-2 and mixed 2/4 caches")
     p.add_argument("--model-rope", action="store_true", help="an arm with the model's RoPE")
+    p.add_argument("--calls", action="store_true", help="also Python function calls per layer step")
     args = p.parse_args()
     import veloxquant.methods.kivi.kernels as kivi_kernels
     import veloxquant.methods.vecinfer as vecinfer
@@ -126,11 +149,19 @@ def main() -> None:
             mx.eval(out if name == "fp16" else [c.state for c in caches])
             HELD.clear()
     llama.Attention.__call__ = original
-    vecinfer.kernels = current
-    current.ROPE_IN_KERNEL = True
     print(f"mlx {mx.__version__}, {args.context}-token context, per layer:")
     for name, (att, step) in result.items():
         print(f"  {name:<8} attention {fmt(att, 1e6, ' us')}  whole step {fmt(step, 1e6, ' us')}")
+    if args.calls:  # a count, not a time: the same on any machine, however loaded
+        for name, (caches, kernels) in arms.items():
+            vecinfer.kernels = kernels
+            current.ROPE_IN_KERNEL = name != "model_rope"
+            (rope.untap if name in ("fp16", "model_rope") else rope.tap)(model)
+            total, ours = step_calls(model, caches, token, name == "fp16")
+            print(f"  {name:<8} Python function calls per layer step: {total:.1f}, of which in "
+                  f"veloxquant {ours:.1f}")  # fmt: skip
+    vecinfer.kernels = current
+    current.ROPE_IN_KERNEL = True
 
     from bench_kernels import decode_inputs
 
