@@ -475,17 +475,11 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
                 np.testing.assert_array_equal(got, want)
 
 
-@needs_cxx
-@pytest.mark.parametrize("traditional", [False, True], ids=["halves", "traditional"])
-@pytest.mark.parametrize("mma", [False, True], ids=["cuda-cores", "tensor-cores"])
-@pytest.mark.parametrize("layout", [OTHER_LAYOUTS[0], OTHER_LAYOUTS[2]], ids=["d128", "d32"])
-def test_one_launch_rotates_the_step_s_own_query_and_key(layout, mma, traditional, monkeypatch):
-    # With the model's rope tapped, a decode step hands the one-launch kernel its query and new
-    # key unrotated, with their position (pending["rotate"]). The launch must give what it gives
-    # on the rows mx.fast.rope rotated: the output (to float32 rounding of the rotation, or the
-    # tensor cores' f16 operands), the leaving token's codes, and the ring row it writes (the
-    # rotated key, to a float16 step of the row's largest element: the rotation cancels), every
-    # other ring row untouched.
+def _rope_step(layout: tuple, traditional: bool) -> tuple:
+    """A random cache of `layout` (2 KV heads) with RoPE, 300 tokens attended, then one decode
+    update whose key the model rotated: (cache, its pending step with room for the leaving
+    token's codes, the same with the step's unrotated query and key (`rotate`), the rotated
+    query)."""
     import mlx.nn as nn
 
     from veloxquant.rope import RopeSpec
@@ -502,10 +496,25 @@ def test_one_launch_rotates_the_step_s_own_query_and_key(layout, mma, traditiona
     pending, c._pending = c._pending, None
     q_pre = normal(1, h * g, 1, d, scale=2.0)
     q_rot = c.rope.apply(q_pre, pos)
+    c._reserve_codes(1)
+    return c, pending, {**pending, "rotate": (q_pre, k_pre, pos)}, q_rot
+
+
+@needs_cxx
+@pytest.mark.parametrize("traditional", [False, True], ids=["halves", "traditional"])
+@pytest.mark.parametrize("mma", [False, True], ids=["cuda-cores", "tensor-cores"])
+@pytest.mark.parametrize("layout", [OTHER_LAYOUTS[0], OTHER_LAYOUTS[2]], ids=["d128", "d32"])
+def test_one_launch_rotates_the_step_s_own_query_and_key(layout, mma, traditional, monkeypatch):
+    # With the model's rope tapped, a decode step hands the one-launch kernel its query and new
+    # key unrotated, with their position (pending["rotate"]). The launch must give what it gives
+    # on the rows mx.fast.rope rotated: the output (to float32 rounding of the rotation, or the
+    # tensor cores' f16 operands), the leaving token's codes, and the ring row it writes (the
+    # rotated key, to a float16 step of the row's largest element: the rotation cancels), every
+    # other ring row untouched.
+    c, pending, rotate, q_rot = _rope_step(layout, traditional)
+    h, g = 2, layout[1]
     monkeypatch.setattr(K, "MMA", mma)
     monkeypatch.setattr(K, "MIN_SPLIT", 128)  # several splits
-    c._reserve_codes(1)
-    rotate = {**pending, "rotate": (q_pre, k_pre, pos)}
     r = K.TOKENS_PER_THREAD
     assert K.attention_inputs(c, q_rot, 1.0, rotate, r=r, one_launch=True)["rope_in"]
     assert not K.attention_inputs(c, q_rot, 1.0, pending, r=r, one_launch=True)["rope_in"]
@@ -530,25 +539,7 @@ def test_a_step_s_launch_inputs_follow_switches_flipped_between_steps(monkeypatc
     # attention_inputs keeps what the kind of step decides (kernels, in place, rotation, the
     # layer pack) on the cache (_step_kind); a module switch flipped between two steps of the
     # same cache must give what a cache that never saw the other setting gives
-    import mlx.nn as nn
-
-    from veloxquant.rope import RopeSpec
-
-    layout = OTHER_LAYOUTS[0]
-    d, g = layout[:2]
-    h = 2
-    c, normal = _random_cache(layout, h=h)
-    c.rope = RopeSpec.from_module(nn.RoPE(d, base=10000.0), d)
-    c.update_and_fetch(normal(1, h, 300, d, scale=2.0), normal(1, h, 300, d))
-    mx.eval(c.fused_attention(normal(1, h * g, 300, d), scale=0.1))
-    pos = c.offset
-    k_pre, v = normal(1, h, 1, d, scale=2.0), normal(1, h, 1, d)
-    c.update_and_fetch(c.rope.apply(k_pre, pos), v)
-    pending, c._pending = c._pending, None
-    q_pre = normal(1, h * g, 1, d, scale=2.0)
-    q_rot = c.rope.apply(q_pre, pos)
-    c._reserve_codes(1)
-    rotate = {**pending, "rotate": (q_pre, k_pre, pos)}
+    c, _, rotate, q_rot = _rope_step(OTHER_LAYOUTS[0], False)
 
     def inputs(scale=1.0):
         a = K.attention_inputs(c, q_rot, scale, rotate, one_launch=True)
