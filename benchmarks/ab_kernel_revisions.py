@@ -49,8 +49,6 @@ def load_baseline(path: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
-    if not hasattr(module, "rotates_in_kernel"):  # a revision before the kernel took RoPE
-        module.rotates_in_kernel = lambda cache, queries, pending: False
     return module
 
 

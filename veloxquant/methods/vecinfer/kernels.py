@@ -2836,7 +2836,7 @@ def attention_inputs(
     step = _step_kind(cache, queries, scale, r, one_launch, encode, kbuf, sk, win, nk, nv, last)
     lay, h, one, in_place = step["layout"], step["n_kv_heads"], step["one"], step["in_place"]
     rotate = pending.get("rotate")
-    rope_in = step["may_rotate"] and _rotates(lay, one, in_place, queries, pending)
+    rope_in = step["may_rotate"] and _rotates(queries, pending)
     n_coded = int(pending["n_coded"])
     # the splits fill one wave of the launch's threadgroups: as many as the card holds at once
     tps = split_tokens(n_coded, h, r, target_groups(step["group_bytes"]))
@@ -2946,14 +2946,14 @@ def _step_kind(
         return step
     lay = layout_of(cache, n_q)
     h, d = lay.n_kv_heads, queries.shape[3]
-    one, in_place = _launch_kind(cache, lay, r, {"encode": encode}, one_launch)
+    one, in_place = _launch_kind(lay, r, encode is not None, one_launch)
     const = layer_constants(cache, r)
     step = memo[key] = {
         "layout": lay,
         "n_kv_heads": h,
         "one": one,
         "in_place": in_place,
-        "may_rotate": ROPE_IN_KERNEL and one and in_place and lay.center,
+        "may_rotate": bool(ROPE_IN_KERNEL and one and in_place and lay.center),
         "group_bytes": threadgroup_bytes(lay, r, one),
         "constants": const,
         "exact_pairs": const["exact_pairs"],
@@ -2970,43 +2970,28 @@ def _step_kind(
     return step
 
 
-def _launch_kind(
-    cache: Any, lay: Layout, r: int, pending: dict, one_launch: bool | None
-) -> tuple[bool, bool]:
-    """(one launch, in place) for the decode step behind `pending` (attention_inputs)."""
-    in_place = pending.get("encode") is not None and WRITE_IN_PLACE
-    if one_launch is None:  # memoised: the kernels only run on the one GPU backend there is
-        memo = cache.__dict__["_kernel_memo"]
-        one_launch = memo.get(("one", r, ONE_LAUNCH))
-        if one_launch is None:
-            one_launch = memo[("one", r, ONE_LAUNCH)] = takes_one_launch(lay, r)
+def _launch_kind(lay: Layout, r: int, encodes: bool, one_launch: bool | None) -> tuple[bool, bool]:
+    """(one launch, in place) for a decode step that encodes a token leaving the window or not
+    (_step_kind, which memoises it)."""
+    in_place = encodes and WRITE_IN_PLACE
+    if one_launch is None:
+        one_launch = takes_one_launch(lay, r)
     if one_launch and lay.head_dim > TILE:
         raise ValueError(f"one launch needs head_dim <= {TILE}, not {lay.head_dim}")
-    return one_launch and (pending.get("encode") is None or in_place), in_place
+    return one_launch and (not encodes or in_place), in_place
 
 
-def _rotates(lay: Layout, one: bool, in_place: bool, queries: mx.array, pending: dict) -> bool:
+def _rotates(queries: mx.array, pending: dict) -> bool:
     # the step's own query and key unrotated (`pending["rotate"]`: query, key, position, from
-    # the model's tapped rope): rotated in the launch, which writes the key into the ring
+    # the model's tapped rope), of the query's dtype and shapes: a launch that may rotate
+    # (_step_kind's "may_rotate") rotates them, and writes the key into the ring
     rotate = pending.get("rotate")
     return bool(
         rotate is not None
-        and ROPE_IN_KERNEL
-        and one
-        and in_place
-        and lay.center
         and rotate[0].dtype == rotate[1].dtype == queries.dtype
         and rotate[0].shape == queries.shape
         and rotate[1].shape == pending["new"][0].shape
     )
-
-
-def rotates_in_kernel(cache: Any, queries: mx.array, pending: dict) -> bool:
-    """Whether `decode_attention(cache, queries, scale, pending)` rotates the step's query and
-    key of pending["rotate"] inside its launch (attention_inputs' 'rope_in')."""
-    lay = layout_of(cache, queries.shape[1])
-    one, in_place = _launch_kind(cache, lay, TOKENS_PER_THREAD, pending, None)
-    return _rotates(lay, one, in_place, queries, pending)
 
 
 def takes_one_launch(lay: Layout, r: int | None = None) -> bool:
