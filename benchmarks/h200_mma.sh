@@ -43,6 +43,10 @@
 #                                       # rope ops deferred and built, ncu of every kernel of
 #                                       # real 64K steps
 #   bash benchmarks/h200_mma.sh rope_e2e  # ... and tokens/s against fp16 at 16K / 64K / 128K
+#                                       # (CONTEXTS="4096 16384" picks others)
+#   BASE=benchmarks/_base_kernels.py bash benchmarks/h200_mma.sh ropetable
+#                                       # an in-kernel rotation change against BASE: greedy
+#                                       # tokens and logits, ncu of real 64K / 128K steps
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -302,9 +306,33 @@ rope)
   ;;
 rope_e2e)
   echo "== tokens/s: fp16, RoPE in the kernel, the model's RoPE (8B shape)"
-  timeout 420 python benchmarks/bench_generate.py --model-rope --dtype bfloat16 \
-    --random-weights benchmarks/configs/llama3-8b.json --contexts 16384 65536 131072 \
+  timeout 540 python benchmarks/bench_generate.py --model-rope --dtype bfloat16 \
+    --random-weights benchmarks/configs/llama3-8b.json --contexts ${CONTEXTS:-16384 65536 131072} \
     --repeats 3 2>&1 | tee "$OUT/generate_rope.txt"
+  ;;
+ropetable)
+  # a change to the in-kernel rotation against BASE (another revision's kernels.py, as for
+  # `loop`): greedy tokens and logits against the model's rotation at 4K / 64K, then ncu of
+  # every kernel of real decode steps at 64K and 128K: fp16, this tree, BASE, the model's RoPE
+  BASE=${BASE:-benchmarks/_base_kernels.py}
+  [ -f "$BASE" ] || { echo "no $BASE: see the loop mode's comment at the top" >&2; exit 2; }
+  sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
+  grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
+  echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape,"
+  echo "   seeded weights, the rope ops deferred)"
+  timeout 100 python benchmarks/check_rope_in_kernel.py \
+    --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
+    | tee "$OUT/check_rope.txt"
+  arms=(--baseline "base=$BASE" --baseline "modelrope=/tmp/modelrope_kernels.py")
+  for ctx in 65536 131072; do
+    echo "== ncu inside real decode steps at $ctx: fp16, this tree, ${arms[*]}"
+    timeout 200 ncu --profile-from-start off --clock-control base --cache-control none \
+      --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step$ctx.csv" \
+      python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+      --context "$ctx" --repeats 2 --steps 3 "${arms[@]}" > "$OUT/step$ctx.txt" 2>&1
+    python benchmarks/profile_decode_step.py --parse "$OUT/step$ctx.csv" --steps 3 \
+      "${arms[@]}" | tee "$OUT/step${ctx}_parsed.txt" | head -60
+  done
   ;;
 costs)
   specs=$(python benchmarks/cost_arms.py /tmp) || exit 2

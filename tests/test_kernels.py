@@ -535,6 +535,23 @@ def test_one_launch_rotates_the_step_s_own_query_and_key(layout, mma, traditiona
         assert (np.abs(got_ring[:, :, slot].astype(np.float32) - row) <= step).all()
 
 
+@pytest.mark.parametrize("mma", [False, True], ids=["cuda-cores", "tensor-cores"])
+def test_the_launch_rotates_only_where_its_rope_table_fits(mma, monkeypatch):
+    # the rotating launch holds a RoPE table in threadgroup memory (4·D bytes more); where that
+    # passes CUDA's limit the step keeps the model's rotation
+    c, _, rotate, q_rot = _rope_step(OTHER_LAYOUTS[0], False)
+    monkeypatch.setattr(K, "MMA", mma)
+    lay = K.layout_of(c, q_rot.shape[1])
+    r = K.TOKENS_PER_THREAD
+    plain = K.threadgroup_bytes(lay, r, True)
+    assert K.threadgroup_bytes(lay, r, True, True) == plain + 4 * lay.head_dim
+    for limit, rotates in [(plain + 4 * lay.head_dim - 1, False), (plain + 4 * lay.head_dim, True)]:
+        monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", limit)
+        a = K.attention_inputs(c, q_rot, 1.0, rotate, r=r, one_launch=True)
+        assert (a["rope_in"], a["in_place"]) == (rotates, True)
+        assert a["sources"][0].name == "vq_vecinfer_attn_one_launch"
+
+
 def test_a_step_s_launch_inputs_follow_switches_flipped_between_steps(monkeypatch):
     # attention_inputs keeps what the kind of step decides (kernels, in place, rotation, the
     # layer pack) on the cache (_step_kind); a module switch flipped between two steps of the
@@ -1100,10 +1117,13 @@ def test_threadgroup_bytes_are_those_of_the_generated_sources(changes, monkeypat
         if lay.head_dim > K.TILE:
             continue
         assert K.mma_takes(lay) is mma
-        one = K.one_launch_kernel_source(lay, mx.float16, mx.float16)
-        ins = ["float16", "int32", "uint8", "uint8", "uint32"] + ["float16"] * 7
-        lib = emu.build(one, "cuda", ins, ["float32"] * 2)
-        assert emu.threadgroup_bytes(lib) == K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD, True)
+        # and, rotating the step's query and key itself, its RoPE table
+        for rope_in in (False, True) if lay.center else (False,):
+            one = K.one_launch_kernel_source(lay, mx.float16, mx.float16, rope_in=rope_in)
+            ins = ["float16", "int32", "uint8", "uint8", "uint32"] + ["float16"] * 7
+            lib = emu.build(one, "cuda", ins, ["float32"] * 2)
+            want = K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD, True, rope_in)
+            assert emu.threadgroup_bytes(lib) == want
 
 
 def test_the_tensor_cores_follow_the_switch_and_the_threadgroup_limit(monkeypatch):

@@ -1928,19 +1928,21 @@ def _round4(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def threadgroup_bytes(lay: Layout, r: int, one_launch: bool = False) -> int:
+def threadgroup_bytes(lay: Layout, r: int, one_launch: bool = False, rope_in: bool = False) -> int:
     """Threadgroup memory of the partial kernel (Apple GPUs allow 32 KB), or of the one-launch
     kernel: its codebook array is at least `one_launch_big4`, and a flag (`mma_bytes` where
-    it runs its coded tokens on the tensor cores)."""
+    it runs its coded tokens on the tensor cores), and with `rope_in` the RoPE table."""
+    rope = 4 * lay.head_dim if rope_in else 0  # _ROPE_IN_TABLE
     if one_launch and mma_takes(lay, r):
-        return mma_bytes(lay, r)
+        return mma_bytes(lay, r) + rope
     c = _partial_constants(lay, r)
     big4 = one_launch_big4(lay, c["BIG4"]) if one_launch else c["BIG4"]
     # s_w and s_tay; without a key mean their placeholders are never read, and compilers drop them
     phase = c["P"] * c["WS"] + lay.group * c["NTAY"] if lay.center else 0
     floats = lay.group * lay.head_dim + c["KM"] * c["QS"] + phase + c["PBUF"]
     floats += 4 * big4 + 3 * lay.group + c["NWARPS"] * lay.group
-    return 4 * floats + c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4 + (4 if one_launch else 0)
+    books = c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4
+    return 4 * floats + books + (4 if one_launch else 0) + rope
 
 
 def one_launch_big4(lay: Layout, big4: int) -> int:
@@ -2306,15 +2308,16 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
 
 
 # Element n of the RoPE of `row` (D elements, pairs (n, n + D/2), or (2j, 2j + 1) when
-# traditional) at the scaled position rpos, as mx.fast.rope forms it: the angle
-# rpos * inv_freq[j] in float32, its accurate cosine and sine, x1 c - x2 s and x1 s + x2 c in
-# float32, and one rounding to the model's dtype T (what the model's own rotation hands on).
-# The sine and cosine are a call kept out of line: inlined, sincosf's slow path for angles past
-# 1e5 rad (128K tokens reach 1.3e5), a local array and its registers, cost the tile loop
-# spills (3 loads and 2 stores of local memory a tile; `kernel_code_size.py --one-launch`),
-# though the loop never runs it. The partner element is read from memory rather than
-# shuffled in: the callers hold their elements in different lane layouts, and the row is one
-# cached line.
+# traditional) from the cosine and sine of its pair j (`rope`: D/2 cosines, then D/2 sines), as
+# mx.fast.rope forms it: x1 c - x2 s and x1 s + x2 c in float32, and one rounding to the model's
+# dtype T (what the model's own rotation hands on). The partner element is read from memory
+# rather than shuffled in: the callers hold their elements in different lane layouts, and the
+# row is one cached line.
+# The table is filled once per threadgroup (`_ROPE_IN_TABLE`): at every read, the accurate
+# sincosf cost the launch 2.9 us a layer at 64K (rope-in-kernel-h100.txt), against 1.0 us for the
+# SFU's approximations, which differ from mx.fast.rope's. Its call is kept out of line: inlined,
+# sincosf's slow path for angles past 1e5 rad (128K tokens reach 1.3e5), a local array and its
+# registers, cost the tile loop spills (`kernel_code_size.py --one-launch`).
 _ROPE_IN_HELPER = """
 #ifndef VQ_ROPE_IN_HELPER
 #define VQ_ROPE_IN_HELPER
@@ -2327,17 +2330,29 @@ VQ_NOINLINE __device__ void vq_rope_sincos(float theta, float* sn, float* cs) {
   VQ_SINCOS(theta, *sn, *cs);
 }
 template <typename T, int D_, bool TRAD_, typename X>
-VQ_FN float vq_rope_in(const VQ_GLOBAL X* row, int n, float rpos, const VQ_GLOBAL float* inv_freq) {
+VQ_FN float vq_rope_in(const VQ_GLOBAL X* row, int n, const VQ_TG float* rope) {
   const bool first = TRAD_ ? (n & 1) == 0 : n < D_ / 2;
   const int mate = TRAD_ ? (n ^ 1) : (first ? n + D_ / 2 : n - D_ / 2);
   const int j = TRAD_ ? n / 2 : (first ? n : mate);
   const float x1 = static_cast<float>(row[first ? n : mate]);
   const float x2 = static_cast<float>(row[first ? mate : n]);
-  float sn, cs;
-  vq_rope_sincos(rpos * inv_freq[j], &sn, &cs);
+  const float cs = rope[j], sn = rope[D_ / 2 + j];
   return static_cast<float>(static_cast<T>(first ? x1 * cs - x2 * sn : x1 * sn + x2 * cs));
 }
 #endif
+"""
+
+# The cosine and sine of each RoPE pair at the step's position iparams[ROPE_POS], before any
+# read of the step's query or key: one sincosf per thread of the first D/2.
+_ROPE_IN_TABLE = """
+  VQ_SHARED float s_rope[D];
+  if ((int)vq_tid < D / 2) {
+    float sn, cs;
+    vq_rope_sincos(fparams[1] * (float)iparams[ROPE_POS] * inv_freq[vq_tid], &sn, &cs);
+    s_rope[vq_tid] = cs;
+    s_rope[D / 2 + vq_tid] = sn;
+  }
+  VQ_BARRIER();
 """
 
 # The statements of the one-launch kernel that read the step's own query and key, and what they
@@ -2355,7 +2370,7 @@ _ROPE_IN_READS = {
 }
 _ROPE_IN_MACROS = """
 #define VQ_ROPE_IN(X, n) \\
-  vq_rope_in<OUT_T, D, TRAD>((X), (n), fparams[1] * (float)iparams[ROPE_POS], inv_freq)
+  vq_rope_in<OUT_T, D, TRAD>((X), (n), s_rope)
 #define EXACT_ROW_ROPE(K, V, row) \\
   VQ_UNROLL \\
   for (int e = 0; e < DE; ++e) { \\
@@ -2407,7 +2422,7 @@ def one_launch_kernel_source(
             for read, rotated in _ROPE_IN_READS.items():
                 assert body.count(read) == 1, read
                 body = body.replace(read, rotated)
-            body, tail = _ROPE_IN_MACROS + body, ""
+            body, tail = _ROPE_IN_MACROS + _ROPE_IN_TABLE + body, ""
             helpers += _ROPE_IN_HELPER
         offsets = {f"OFF_{n.upper()}": off for n, (off, _, _) in pack_segments(lay, r).items()}
         _SOURCES[key] = KernelSource(
@@ -2839,7 +2854,7 @@ def attention_inputs(
     rope_in = step["may_rotate"] and _rotates(queries, pending)
     n_coded = int(pending["n_coded"])
     # the splits fill one wave of the launch's threadgroups: as many as the card holds at once
-    tps = split_tokens(n_coded, h, r, target_groups(step["group_bytes"]))
+    tps = split_tokens(n_coded, h, r, target_groups(step["group_bytes"][rope_in]))
     n_splits = -(-n_coded // tps) if n_coded else 0
     if kbuf is None:  # nothing coded, and nothing to write
         kbuf, vbuf = step["no_codes"]
@@ -2948,13 +2963,21 @@ def _step_kind(
     h, d = lay.n_kv_heads, queries.shape[3]
     one, in_place = _launch_kind(lay, r, encode is not None, one_launch)
     const = layer_constants(cache, r)
+    # by whether the launch rotates (rope_in): its RoPE table is threadgroup memory too
+    group_bytes = [threadgroup_bytes(lay, r, one), threadgroup_bytes(lay, r, one, True)]
     step = memo[key] = {
         "layout": lay,
         "n_kv_heads": h,
         "one": one,
         "in_place": in_place,
-        "may_rotate": bool(ROPE_IN_KERNEL and one and in_place and lay.center),
-        "group_bytes": threadgroup_bytes(lay, r, one),
+        "may_rotate": bool(
+            ROPE_IN_KERNEL
+            and one
+            and in_place
+            and lay.center
+            and group_bytes[True] <= THREADGROUP_LIMIT["cuda"]
+        ),
+        "group_bytes": group_bytes,
         "constants": const,
         "exact_pairs": const["exact_pairs"],
         "mma": mma_takes(lay, r),
