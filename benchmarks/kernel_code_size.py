@@ -5,6 +5,7 @@ and bytes per phase (8B layer shape, default layout, the synthetic caches of ben
     python benchmarks/kernel_code_size.py --baseline /tmp/base_kernels.py
     python benchmarks/kernel_code_size.py --one-launch --constants COMBINE_FLOAT4=0 \
         --baseline /tmp/base_kernels.py
+    python benchmarks/kernel_code_size.py --one-launch --rope-in --baseline /tmp/base_kernels.py
 
 It writes the CUDA translation unit MLX would hand NVRTC, with the timeline stamps of
 `profile_partial_kernel.py` at the phase boundaries, compiles it for sm_90a with NVRTC as MLX
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import math
 import os
 import re
@@ -155,11 +157,12 @@ def report(tag: str, kernels, work: Path) -> None:
         print(f"    {name:>18} -> {after:<18} at {at:#08x}: {nxt - at:6d} bytes")
 
 
-def one_launch_report(tag: str, kernels, work: Path) -> None:
+def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> None:
     """The one-launch kernel (CUDA; 8B layer shape, default layout, bf16) with the stamps of
     `profile_partial_kernel.py timeline-one`: registers, and of the code from the split's end
     to the merge's, its bytes and the most global loads between two branches (the loads a
-    thread can have in flight in the merge's split loop)."""
+    thread can have in flight in the merge's split loop). With `rope_in`, its variant that
+    rotates the step's query and key itself."""
     import veloxquant.kernels as vk
     from profile_partial_kernel import one_launch_stamped
 
@@ -174,7 +177,11 @@ def one_launch_report(tag: str, kernels, work: Path) -> None:
         vk.backend, vk.cuda_multiprocessors, vk.cuda_shared_memory = backend, count, shared
     if len(a["sources"]) != 1:
         raise SystemExit(f"{kernels.__file__}: the step is not one launch (ONE_LAUNCH off?)")
-    src = one_launch_stamped(a["sources"][0])
+    src = a["sources"][0]
+    if rope_in:
+        window = a["partial"][7].dtype  # ONE_LAUNCH_INPUTS' win_k
+        src = kernels.one_launch_kernel_source(a["layout"], qs[0].dtype, window, a["r"], True)
+    src = one_launch_stamped(src)
     outputs = ["float32", dtype_name(qs[0].dtype), "uint32", "uint32"]
     tu = src.cuda_translation_unit([dtype_name(x.dtype) for x in a["partial"]], outputs)
     used, sass = compile_and_read(tu, work, tag.replace(" ", "_"))
@@ -193,7 +200,7 @@ def one_launch_report(tag: str, kernels, work: Path) -> None:
         elif "LDG" in ins:
             run = [run[0] + 1, run[1] + (".128" in ins)]
     runs = sorted([r for r in runs + [run] if r[0]], reverse=True)[:6]
-    print(f"{tag}: {kernels.__file__}, one launch")
+    print(f"{tag}: {kernels.__file__}, one launch" + (", rotating (rope_in)" if rope_in else ""))
     print(f"  {used}")
     print(f"  {code[-1][0] + 16} bytes of SASS; the merge (split done -> merged) "
           f"{stamps[2] - stamps[1]} bytes; its longest runs of global loads between two branches: "
@@ -233,6 +240,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--baseline", help="a kernels.py of another revision, reported first")
     p.add_argument("--one-launch", action="store_true", help="the one-launch kernel's merge")
+    p.add_argument("--rope-in", action="store_true", help="... rotating the step's q and k")
     p.add_argument("--constants", nargs="*", default=[], help="NAME=INT: this tree's settings")
     p.add_argument("--nvcc", action="store_true", help="compile with nvcc, not NVRTC")
     args = p.parse_args()
@@ -243,7 +251,11 @@ def main() -> None:
         if not isinstance(getattr(current, name, None), int):
             raise SystemExit(f"--constants: the kernels module has no integer setting {name}")
         setattr(current, name, int(value))
-    run = one_launch_report if args.one_launch else report
+    if args.rope_in and not args.one_launch:
+        raise SystemExit("--rope-in is a variant of the one-launch kernel: add --one-launch")
+    run = report
+    if args.one_launch:
+        run = functools.partial(one_launch_report, rope_in=args.rope_in)
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
             run("baseline", load_baseline(args.baseline), Path(tmp))
