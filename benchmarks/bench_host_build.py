@@ -89,8 +89,9 @@ def main() -> None:
     import veloxquant.methods.vecinfer as vecinfer
 
     vk.backend = kivi_kernels.backend = lambda: "cuda"  # the fused paths' host code, stubbed
-    vk.cuda_multiprocessors = lambda: 132  # an H100 / H200's splits, with or without a driver
-    vk.cuda_shared_memory = lambda: (233472, 1024)
+    # an H100 / H200's splits, with or without a driver
+    vk.cuda_multiprocessors = lambda: vk.TIMED_CARD_MULTIPROCESSORS
+    vk.cuda_shared_memory = lambda: vk.TIMED_CARD_SHARED_MEMORY
     mx.fast.cuda_kernel = stub_kernel
     from ab_kernel_revisions import load_baseline
     from bench_generate import default_layout_caches

@@ -167,8 +167,8 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
     from profile_partial_kernel import one_launch_stamped
 
     backend, vk.backend = vk.backend, lambda: "cuda"  # the one launch is CUDA's
-    count, vk.cuda_multiprocessors = vk.cuda_multiprocessors, lambda: 132  # an H100 / H200's
-    shared, vk.cuda_shared_memory = vk.cuda_shared_memory, lambda: (233472, 1024)
+    count, vk.cuda_multiprocessors = vk.cuda_multiprocessors, lambda: vk.TIMED_CARD_MULTIPROCESSORS
+    shared, vk.cuda_shared_memory = vk.cuda_shared_memory, lambda: vk.TIMED_CARD_SHARED_MEMORY
     try:
         caches, qs, pend = decode_inputs(16384, 1, 1, H, G, D)
         caches[0]._reserve_codes(1)  # room for the in-place encode, as fused_attention makes

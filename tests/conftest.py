@@ -43,8 +43,8 @@ def _cuda_multiprocessors_of_the_timed_card(monkeypatch):
     (tests/test_kernels.py asks the real one)."""
     import veloxquant.kernels as vk
 
-    monkeypatch.setattr(vk, "cuda_multiprocessors", lambda: 132)
-    monkeypatch.setattr(vk, "cuda_shared_memory", lambda: (233472, 1024))
+    monkeypatch.setattr(vk, "cuda_multiprocessors", lambda: vk.TIMED_CARD_MULTIPROCESSORS)
+    monkeypatch.setattr(vk, "cuda_shared_memory", lambda: vk.TIMED_CARD_SHARED_MEMORY)
 
 
 @pytest.fixture(scope="session")

@@ -448,6 +448,13 @@ def _cuda_attribute(attribute: int, what: str, least: int) -> int:
     return value.value
 
 
+# The card the CUDA kernels were timed on (an H100 or H200): multiprocessors, and (shared memory
+# per multiprocessor, bytes kept per threadgroup) as cuda_shared_memory gives them. Tests and
+# tools that stand in a CUDA backend where there is no driver to ask split a step's work as there.
+TIMED_CARD_MULTIPROCESSORS = 132
+TIMED_CARD_SHARED_MEMORY = (233472, 1024)
+
+
 def cuda_multiprocessors() -> int:
     """Streaming multiprocessors of CUDA device 0, from the CUDA driver: MLX does not report it,
     and the decode kernels split one query's work into whole waves of threadgroups over them."""
