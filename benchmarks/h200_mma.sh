@@ -45,8 +45,9 @@
 #   bash benchmarks/h200_mma.sh rope_e2e  # ... and tokens/s against fp16 at 16K / 64K / 128K
 #                                       # (CONTEXTS="4096 16384" picks others)
 #   BASE=benchmarks/_base_kernels.py bash benchmarks/h200_mma.sh ropetable
-#                                       # an in-kernel rotation change against BASE: greedy
-#                                       # tokens and logits, ncu of real 64K / 128K steps
+#                                       # an in-kernel rotation change against BASE (and ARMS,
+#                                       # as for loop): greedy tokens and logits, ncu of real
+#                                       # 64K / 128K steps
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -324,6 +325,7 @@ ropetable)
     --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
     | tee "$OUT/check_rope.txt"
   arms=(--baseline "base=$BASE" --baseline "modelrope=/tmp/modelrope_kernels.py")
+  for a in ${ARMS:-}; do arms+=(--baseline "$a"); done
   for ctx in 65536 131072; do
     echo "== ncu inside real decode steps at $ctx: fp16, this tree, ${arms[*]}"
     timeout 200 ncu --profile-from-start off --clock-control base --cache-control none \
