@@ -47,7 +47,7 @@
 #   BASE=benchmarks/_base_kernels.py bash benchmarks/h200_mma.sh ropetable
 #                                       # an in-kernel rotation change against BASE (and ARMS,
 #                                       # as for loop): greedy tokens and logits, ncu of real
-#                                       # 64K / 128K steps
+#                                       # 64K / 128K steps (NCU_CONTEXTS picks others)
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -326,9 +326,9 @@ ropetable)
     | tee "$OUT/check_rope.txt"
   arms=(--baseline "base=$BASE" --baseline "modelrope=/tmp/modelrope_kernels.py")
   for a in ${ARMS:-}; do arms+=(--baseline "$a"); done
-  for ctx in 65536 131072; do
+  for ctx in ${NCU_CONTEXTS:-65536 131072}; do
     echo "== ncu inside real decode steps at $ctx: fp16, this tree, ${arms[*]}"
-    timeout 200 ncu --profile-from-start off --clock-control base --cache-control none \
+    timeout 240 ncu --profile-from-start off --clock-control base --cache-control none \
       --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step$ctx.csv" \
       python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
       --context "$ctx" --repeats 2 --steps 3 "${arms[@]}" > "$OUT/step$ctx.txt" 2>&1
