@@ -92,6 +92,19 @@ ncu_steps() {
   python benchmarks/profile_decode_step.py --parse "$OUT/${name}_$ctx.csv" --steps 3 \
     --baseline "$name=/tmp/${name}_kernels.py" | tee "$OUT/${name}_${ctx}_parsed.txt"
 }
+# ncu's GPU time of every kernel of real decode steps at context $1 (clocks at base, time limit
+# $2 s): fp16, this tree and the arms of the caller's `arms` array (--baseline NAME=PATH each),
+# into $OUT/step$1*; prints the parsed steps
+ncu_arms() {
+  ctx=$1
+  echo "== ncu inside real decode steps at $ctx: fp16, this tree, ${arms[*]}"
+  timeout "$2" ncu --profile-from-start off --clock-control base --cache-control none \
+    --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step$ctx.csv" \
+    python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
+    --context "$ctx" --repeats 2 --steps 3 "${arms[@]}" > "$OUT/step$ctx.txt" 2>&1
+  python benchmarks/profile_decode_step.py --parse "$OUT/step$ctx.csv" --steps 3 \
+    "${arms[@]}" | tee "$OUT/step${ctx}_parsed.txt"
+}
 ncu_times() {
   name=$1
   shift
@@ -252,13 +265,7 @@ loop)
   timeout 100 python benchmarks/ab_kernel_revisions.py --baseline "$BASE" --steps \
     --contexts 16384 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
   for ctx in ${NCU_CONTEXTS:-65536 131072}; do
-    echo "== ncu inside real decode steps at $ctx: fp16, this tree, ${arms[*]}"
-    timeout 170 ncu --profile-from-start off --clock-control base --cache-control none \
-      --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step$ctx.csv" \
-      python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
-      --context "$ctx" --repeats 2 --steps 3 "${arms[@]}" > "$OUT/step$ctx.txt" 2>&1
-    python benchmarks/profile_decode_step.py --parse "$OUT/step$ctx.csv" --steps 3 \
-      "${arms[@]}" | tee "$OUT/step${ctx}_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
+    ncu_arms "$ctx" 170 | grep -E "^==|GPU time|custom_kernel|sdpa"
   done
   echo "== greedy tokens, fused against transient"
   timeout 100 python benchmarks/check_fused_generation.py \
@@ -327,13 +334,7 @@ ropetable)
   arms=(--baseline "base=$BASE" --baseline "modelrope=/tmp/modelrope_kernels.py")
   for a in ${ARMS:-}; do arms+=(--baseline "$a"); done
   for ctx in ${NCU_CONTEXTS:-65536 131072}; do
-    echo "== ncu inside real decode steps at $ctx: fp16, this tree, ${arms[*]}"
-    timeout 240 ncu --profile-from-start off --clock-control base --cache-control none \
-      --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/step$ctx.csv" \
-      python benchmarks/profile_decode_step.py --random-weights benchmarks/configs/llama3-8b.json \
-      --context "$ctx" --repeats 2 --steps 3 "${arms[@]}" > "$OUT/step$ctx.txt" 2>&1
-    python benchmarks/profile_decode_step.py --parse "$OUT/step$ctx.csv" --steps 3 \
-      "${arms[@]}" | tee "$OUT/step${ctx}_parsed.txt" | head -60
+    ncu_arms "$ctx" 240 | head -60
   done
   ;;
 costs)
