@@ -1044,7 +1044,9 @@ def test_layer_pack_holds_the_cache_s_constants(mma, monkeypatch):
     assert pack.size == 4 * segments["end"][0] == c.nbytes - before  # resident, so counted
     const = K.layer_constants(c, r)
     want = {
-        "fparams": np.array([scale * K.LOG2E, const["rscale"]] + [0] * 6, np.float32),
+        "fparams": np.array(
+            [scale * K.LOG2E, const["rscale"], math.log2(c.rope.base)] + [0] * 5, np.float32
+        ),
         "counter": np.zeros(8, np.uint32),
         "key_book": np.array(c.key_codebook),
         "value_book": np.array(c.value_codebook),

@@ -2266,7 +2266,7 @@ def kernel_bytes(cache: Any) -> int:
 
 
 def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> mx.array:
-    fparams = (scale * LOG2E, const["rscale"])
+    fparams = (scale * LOG2E, const["rscale"], const["log2_base"])
     memo = cache.__dict__["_kernel_memo"]
     mma = mma_takes(lay, r)
     key = ("pack", lay, r, fparams, mma)
@@ -2343,12 +2343,20 @@ VQ_FN float vq_rope_in(const VQ_GLOBAL X* row, int n, const VQ_TG float* rope) {
 """
 
 # The cosine and sine of each RoPE pair at the step's position iparams[ROPE_POS], before any
-# read of the step's query or key: one sincosf per thread of the first D/2.
+# read of the step's query or key: one sincosf per thread of the first D/2. A RoPE given by its
+# base (fparams[2], `rope_log2_base`, not 0) takes each pair's frequency as mx.fast.rope's GPU
+# kernel forms it, exp2f(-(j / (D/2)) * log2(base)) on the GPU: the host's float32 exp2
+# (rope_inv_freq, which the coded tokens' phases keep) can be an ulp or two away, and at 64K
+# tokens one ulp of a frequency near 1 turns the angle by 4e-3 rad, a bf16 step of the rotated
+# rows. With the model's frequencies (`freqs`) both read the same 1 / freqs.
 _ROPE_IN_TABLE = """
   VQ_SHARED float s_rope[D];
   if ((int)vq_tid < D / 2) {
+    const float freq = fparams[2] != 0.0f
+        ? exp2f(-((float)vq_tid / (float)(D / 2)) * fparams[2])
+        : inv_freq[vq_tid];
     float sn, cs;
-    vq_rope_sincos(fparams[1] * (float)iparams[ROPE_POS] * inv_freq[vq_tid], &sn, &cs);
+    vq_rope_sincos(fparams[1] * (float)iparams[ROPE_POS] * freq, &sn, &cs);
     s_rope[vq_tid] = cs;
     s_rope[D / 2 + vq_tid] = sn;
   }
@@ -2607,6 +2615,7 @@ def layer_constants(cache: Any, r: int) -> dict[str, Any]:
             "inv_freq": inv_freq,
             "table": table,
             "rscale": rscale,
+            "log2_base": rope_log2_base(cache.rope),
             "exact_pairs": exact_pairs(cache.rope, int(cache.smooth.shape[1]), r),
             "key_mean": fill if cache.key_mean is None else cache.key_mean,
             "value_smooth": fill if cache.value_smooth is None else cache.value_smooth,
@@ -2686,6 +2695,16 @@ def poly_pairs(rope: RopeSpec | None, head_dim: int) -> int:
     if -(-max(0, exact - 4) // 8) + 1 >= -(-pairs // 8):
         return 0
     return pairs - exact
+
+
+def rope_log2_base(rope: RopeSpec | None) -> float:
+    """log2 of the RoPE's base in float32, as mx.fast.rope hands it to its GPU kernel (which
+    forms each pair's frequency from it with the GPU's exp2f), or 0.0 where the model gives its
+    frequencies (`freqs`) or has no RoPE: the one-launch kernel's RoPE table then reads
+    rope_inv_freq's."""
+    if rope is None or rope.freqs is not None:
+        return 0.0
+    return float(np.float32(math.log2(np.float32(rope.base))))
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
