@@ -2313,9 +2313,9 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
 # dtype T (what the model's own rotation hands on). The partner element is read from memory
 # rather than shuffled in: the callers hold their elements in different lane layouts, and the
 # row is one cached line.
-# The table is filled once per threadgroup (`_ROPE_IN_TABLE`): at every read, the accurate
-# sincosf cost the launch 2.9 us a layer at 64K (rope-in-kernel-h100.txt), against 1.0 us for the
-# SFU's approximations, which differ from mx.fast.rope's. Its call is kept out of line: inlined,
+# The table is filled once per threadgroup (`_ROPE_IN_TABLE`): an accurate sincosf at every read
+# cost the launch about three times what the SFU's approximations (which differ from
+# mx.fast.rope's) did (rope-in-kernel-h100.txt). Its call is kept out of line: inlined,
 # sincosf's slow path for angles past 1e5 rad (128K tokens reach 1.3e5), a local array and its
 # registers, cost the tile loop spills (`kernel_code_size.py --one-launch`).
 _ROPE_IN_HELPER = """
