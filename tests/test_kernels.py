@@ -475,19 +475,27 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
                 np.testing.assert_array_equal(got, want)
 
 
-def _rope_step(layout: tuple, traditional: bool) -> tuple:
-    """A random cache of `layout` (2 KV heads) with RoPE, 300 tokens attended, then one decode
-    update whose key the model rotated: (cache, its pending step with room for the leaving
-    token's codes, the same with the step's unrotated query and key (`rotate`), the rotated
-    query)."""
+def _rope_step(layout: tuple, traditional: bool, llama3: bool = False) -> tuple:
+    """A random cache of `layout` (2 KV heads) with RoPE (nn.RoPE's from a base, or with
+    `llama3` Llama-3's scaled frequencies), 300 tokens attended, then one decode update whose
+    key the model rotated: (cache, its pending step with room for the leaving token's codes, the
+    same with the step's unrotated query and key (`rotate`), the rotated query)."""
     import mlx.nn as nn
+    from mlx_lm.models.rope_utils import Llama3RoPE
 
     from veloxquant.rope import RopeSpec
 
     d, g = layout[:2]
     h = 2
     c, normal = _random_cache(layout, h=h)
-    c.rope = RopeSpec.from_module(nn.RoPE(d, traditional=traditional, base=10000.0), d)
+    if llama3:
+        scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        scaling["original_max_position_embeddings"] = 64
+        rope = Llama3RoPE(d, traditional=traditional, base=10000.0, scaling_config=scaling)
+    else:
+        rope = nn.RoPE(d, traditional=traditional, base=10000.0)
+    c.rope = RopeSpec.from_module(rope, d)
+    assert (c.rope.freqs is not None) is llama3
     c.update_and_fetch(normal(1, h, 300, d, scale=2.0), normal(1, h, 300, d))
     mx.eval(c.fused_attention(normal(1, h * g, 300, d), scale=0.1))
     pos = c.offset
@@ -501,17 +509,24 @@ def _rope_step(layout: tuple, traditional: bool) -> tuple:
 
 
 @needs_cxx
-@pytest.mark.parametrize("traditional", [False, True], ids=["halves", "traditional"])
+@pytest.mark.parametrize(
+    "traditional, llama3", [(False, False), (True, False), (False, True)],
+    ids=["halves", "traditional", "llama3-freqs"],
+)  # fmt: skip
 @pytest.mark.parametrize("mma", [False, True], ids=["cuda-cores", "tensor-cores"])
 @pytest.mark.parametrize("layout", [OTHER_LAYOUTS[0], OTHER_LAYOUTS[2]], ids=["d128", "d32"])
-def test_one_launch_rotates_the_step_s_own_query_and_key(layout, mma, traditional, monkeypatch):
+def test_one_launch_rotates_the_step_s_own_query_and_key(
+    layout, mma, traditional, llama3, monkeypatch
+):
     # With the model's rope tapped, a decode step hands the one-launch kernel its query and new
     # key unrotated, with their position (pending["rotate"]). The launch must give what it gives
     # on the rows mx.fast.rope rotated: the output (to float32 rounding of the rotation, or the
     # tensor cores' f16 operands), the leaving token's codes, and the ring row it writes (the
     # rotated key, to a float16 step of the row's largest element: the rotation cancels), every
     # other ring row untouched.
-    c, pending, rotate, q_rot = _rope_step(layout, traditional)
+    # (the RoPE table takes a base's frequencies as exp2f of the base, a model's own from the
+    # layer pack: `_ROPE_IN_TABLE`)
+    c, pending, rotate, q_rot = _rope_step(layout, traditional, llama3)
     h, g = 2, layout[1]
     monkeypatch.setattr(K, "MMA", mma)
     monkeypatch.setattr(K, "MIN_SPLIT", 128)  # several splits
