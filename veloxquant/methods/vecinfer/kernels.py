@@ -2709,7 +2709,9 @@ def rope_log2_base(rope: RopeSpec | None) -> float:
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
     """θ_j [D/2] float32 as MLX's rope kernels form them: 1 / freqs, or
-    exp2(-(j / (D/2)) * log2(base)) in float32."""
+    exp2(-(j / (D/2)) * log2(base)) in float32 (numpy's exp2 here, where MLX's GPU kernel takes
+    the GPU's exp2f, which can be an ulp or two away; the one-launch kernel's RoPE table forms
+    those on the GPU as it does, `_ROPE_IN_TABLE`)."""
     half = head_dim // 2
     if rope.freqs is not None:
         return (1.0 / np.asarray(rope.freqs, np.float64)).astype(np.float32)
