@@ -48,6 +48,11 @@
 #                                       # an in-kernel rotation change against BASE (and ARMS,
 #                                       # as for loop): greedy tokens and logits, ncu of real
 #                                       # 64K / 128K steps (NCU_CONTEXTS picks others)
+#   bash benchmarks/h200_mma.sh online  # the online merge (COMBINE_ONLINE, this tree) against
+#                                       # the merge of _COMBINE_HEADS: outputs and codes per layer
+#                                       # step, both timelines, greedy tokens and logits (RoPE in
+#                                       # the kernel against the model's), ncu of real 64K / 128K
+#                                       # steps (NCU_CONTEXTS), greedy tokens fused / transient
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -317,6 +322,32 @@ rope_e2e)
   timeout 540 python benchmarks/bench_generate.py --model-rope --dtype bfloat16 \
     --random-weights benchmarks/configs/llama3-8b.json --contexts ${CONTEXTS:-16384 65536 131072} \
     --repeats 3 2>&1 | tee "$OUT/generate_rope.txt"
+  ;;
+online)
+  grep -q '^COMBINE_ONLINE = True$' "$K" || { echo "expected COMBINE_ONLINE = True in $K" >&2; exit 2; }
+  sed 's/^COMBINE_ONLINE = True$/COMBINE_ONLINE = False/' "$K" > /tmp/heads_kernels.py
+  sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
+  grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
+  echo "== the online merge (this tree) against _COMBINE_HEADS's, per layer step: outputs, codes"
+  timeout 100 python benchmarks/ab_kernel_revisions.py --baseline /tmp/heads_kernels.py --steps \
+    --contexts 16384 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
+  for k in "$K" /tmp/heads_kernels.py; do
+    echo "== timeline-one, $k"
+    timeout 60 python benchmarks/profile_partial_kernel.py timeline-one --contexts 16384 65536 \
+      --kernels "$k" 2>&1 | tee -a "$OUT/timeline.txt"
+  done
+  echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape,"
+  echo "   seeded weights, the rope ops deferred)"
+  timeout 100 python benchmarks/check_rope_in_kernel.py \
+    --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
+    | tee "$OUT/check_rope.txt"
+  arms=(--baseline "heads=/tmp/heads_kernels.py" --baseline "modelrope=/tmp/modelrope_kernels.py")
+  for ctx in ${NCU_CONTEXTS:-65536 131072}; do
+    ncu_arms "$ctx" 150 | grep -E "^==|GPU time|custom_kernel|sdpa"
+  done
+  echo "== greedy tokens, fused against transient"
+  timeout 80 python benchmarks/check_fused_generation.py \
+    --random-weights benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/check.txt"
   ;;
 ropetable)
   # a change to the in-kernel rotation against BASE (another revision's kernels.py, as for

@@ -52,7 +52,13 @@ from tests import nvrtc  # noqa: E402
 from ab_kernel_revisions import load_baseline
 from ncu_source_stalls import tile_loop
 from bench_kernels import decode_inputs
-from profile_partial_kernel import MERGE_PHASES, ONE_MERGE_STAMPS, STAMP_NAMES, stamped_source
+from profile_partial_kernel import (
+    MERGE_PHASES,
+    ONE_MERGE_STAMPS,
+    STAMP_NAMES,
+    merge_kind,
+    stamped_source,
+)
 from veloxquant.kernels import dtype_name
 from veloxquant.methods.vecinfer import kernels as current
 
@@ -189,7 +195,8 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
         (int(m.group(1), 16), m.group(2))
         for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)
     ]
-    stamps = one_launch_stamp_addresses(sass)
+    merge = merge_kind(src.body)
+    stamps = one_launch_stamp_addresses(sass, merge)
     runs, run = [], [0, 0]  # global loads between two branches: [all, 128-bit]
     for at, ins in code:
         if not stamps[1] <= at < stamps[2]:
@@ -206,14 +213,15 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
           f"{stamps[2] - stamps[1]} bytes; its longest runs of global loads between two branches: "
           + ", ".join(f"{n} ({w} of 128 bits)" for n, w in runs))  # fmt: skip
     print("  the merge's phases (timeline-one's names), bytes: " + ", ".join(
-        f"{name} {stamps[b] - stamps[a]}" for name, a, b in MERGE_PHASES))  # fmt: skip
+        f"{name} {stamps[b] - stamps[a]}" for name, a, b in MERGE_PHASES[merge]))  # fmt: skip
     tile_loop_report(code, 32 * a["r"])
 
 
-def one_launch_stamp_addresses(sass: str) -> dict[int, int]:
-    """{stamp slot: code address} of the one-launch kernel's timeline-one stamps."""
+def one_launch_stamp_addresses(sass: str, merge: str) -> dict[int, int]:
+    """{stamp slot: code address} of the one-launch kernel's timeline-one stamps, its merge
+    `merge` (merge_kind)."""
     found = {slot: at for at, slot in stamp_slots(sass)}
-    want = {0, 1, 2, 3, *(k for _, k in ONE_MERGE_STAMPS)}
+    want = {0, 1, 2, 3, *(k for _, k in ONE_MERGE_STAMPS[merge])}
     if set(found) != want:
         raise SystemExit(
             f"expected timeline-one's stamps {sorted(want)} in the SASS, found {found}"

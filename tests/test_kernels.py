@@ -456,12 +456,27 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
             monkeypatch.setattr(K, "COMBINE_CHUNK", 2)
             one, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             one_e = _emulated_attention(backend, c, q, pending, r, 1, reverse=r == 1)
-            # the merge's rows as scalars, not float4s: the same sums in the same order
-            assert K.COMBINE_FLOAT4
+            # the merge of _COMBINE_HEADS, its rows as float4s and as scalars: the same sums
+            # in the same order
+            assert K.COMBINE_FLOAT4 and K.COMBINE_ONLINE
+            monkeypatch.setattr(K, "COMBINE_ONLINE", False)
+            heads4, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             monkeypatch.setattr(K, "COMBINE_FLOAT4", False)
             one_scalar, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             monkeypatch.setattr(K, "COMBINE_FLOAT4", True)
-            np.testing.assert_array_equal(one_scalar, one)
+            np.testing.assert_array_equal(one_scalar, heads4)
+            # the online merge (this launch's, `one`) against it: each item's running max
+            # over chunks of C4U splits, here several with the last of them partial (with 2
+            # splits, one partial chunk)
+            monkeypatch.setattr(K, "COMBINE_ONLINE", True)
+            loads = K.COMBINE_LOADS4
+            per_chunk = next((u for u in range(2, n_splits) if n_splits % u), 3)
+            monkeypatch.setattr(K, "COMBINE_LOADS4", per_chunk)
+            online, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            monkeypatch.setattr(K, "COMBINE_LOADS4", loads)
+            tight = {"rtol": 1e-5, "atol": 1e-6 * max(1.0, np.abs(heads4).max())}
+            np.testing.assert_allclose(online, heads4, **tight)
+            np.testing.assert_allclose(one, heads4, **tight)
             assert K.mma_takes(lay, r)  # these layouts take the tensor cores ...
             monkeypatch.setattr(K, "MMA", False)  # ... and the CUDA cores without them
             one_fma, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
