@@ -50,9 +50,9 @@
 #                                       # 64K / 128K steps (NCU_CONTEXTS picks others)
 #   bash benchmarks/h200_mma.sh online  # the online merge (COMBINE_ONLINE, this tree) against
 #                                       # the merge of _COMBINE_HEADS: outputs and codes per layer
-#                                       # step, both timelines, greedy tokens and logits (RoPE in
-#                                       # the kernel against the model's), ncu of real 64K / 128K
-#                                       # steps (NCU_CONTEXTS), greedy tokens fused / transient
+#                                       # step, both timelines at 64K, greedy tokens and logits
+#                                       # (RoPE in the kernel against the model's), ncu of real
+#                                       # 64K steps (NCU_CONTEXTS picks others)
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -333,7 +333,7 @@ online)
     --contexts 16384 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
   for k in "$K" /tmp/heads_kernels.py; do
     echo "== timeline-one, $k"
-    timeout 60 python benchmarks/profile_partial_kernel.py timeline-one --contexts 16384 65536 \
+    timeout 50 python benchmarks/profile_partial_kernel.py timeline-one --contexts 65536 \
       --kernels "$k" 2>&1 | tee -a "$OUT/timeline.txt"
   done
   echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape,"
@@ -342,12 +342,9 @@ online)
     --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
     | tee "$OUT/check_rope.txt"
   arms=(--baseline "heads=/tmp/heads_kernels.py" --baseline "modelrope=/tmp/modelrope_kernels.py")
-  for ctx in ${NCU_CONTEXTS:-65536 131072}; do
+  for ctx in ${NCU_CONTEXTS:-65536}; do
     ncu_arms "$ctx" 150 | grep -E "^==|GPU time|custom_kernel|sdpa"
   done
-  echo "== greedy tokens, fused against transient"
-  timeout 80 python benchmarks/check_fused_generation.py \
-    --random-weights benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/check.txt"
   ;;
 ropetable)
   # a change to the in-kernel rotation against BASE (another revision's kernels.py, as for
