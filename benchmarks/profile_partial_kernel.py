@@ -483,19 +483,27 @@ def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int, merge: str
 
 
 # timeline-one --cut: text of the one-launch source and what replaces it (timing only: "no-merge"
-# leaves the output unmerged)
+# leaves the output unmerged), or such edits by merge (merge_kind)
 ONE_CUTS = {
     # the tail's count and hand-over without the merge itself: what the merge costs on its own
     "no-merge": [("  if (s_last) {\n    VQ_DEVICE_FENCE();\n", "  if (s_last) {\n#if 0\n")]
     + [("\n    if (vq_tid == 0) const_cast", "\n#endif\n    if (vq_tid == 0) const_cast")],
     # the merge without its output-row loads (each row read as its weight): what the rows cost
-    "no-rows": [
-        (
-            "          const float4 o = vq_load_cg4(part_o + ((c0 + s) * HQ + hq0 + g) * D"
-            " + 4 * (i % (D / 4)));\n",
-            "          const float4 o = VQ_F4(w, w, w, w);\n",
-        )
-    ],
+    "no-rows": {
+        "heads": [
+            (
+                "          const float4 o = vq_load_cg4(part_o + ((c0 + s) * HQ + hq0 + g) * D"
+                " + 4 * (i % (D / 4)));\n",
+                "          const float4 o = VQ_F4(w, w, w, w);\n",
+            )
+        ],
+        "online": [
+            (
+                "        o[u] = vq_load_cg4(part_o + (s * HQ + hq0 + g) * D + d0);\n",
+                "        o[u] = VQ_F4(l[u], l[u], l[u], l[u]);\n",
+            )
+        ],
+    },
     # the merge without the value Hadamard's butterfly (in registers at head_dim 128; d39b81c's
     # in threadgroup memory, whose log2(D) barriers this cut timed, read `if (VHAD) {`)
     "no-hadamard": [
@@ -524,7 +532,10 @@ ONE_CUTS = {
 def one_launch_cut(src, cut: str | None):
     """The one-launch KernelSource `src` with ONE_CUTS[cut]'s edits (none for None), each of
     which must match its text exactly once."""
-    for old, new in ONE_CUTS[cut] if cut else []:
+    edits = ONE_CUTS[cut] if cut else []
+    if isinstance(edits, dict):
+        edits = edits[merge_kind(src.body)]
+    for old, new in edits:
         if src.body.count(old) != 1:
             raise SystemExit(f"--cut {cut}: the source no longer has exactly one {old!r}")
         src = dataclasses.replace(src, body=src.body.replace(old, new))
