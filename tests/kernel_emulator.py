@@ -1,8 +1,9 @@
 """Run veloxquant's generated GPU kernels on the CPU: both the CUDA and the Metal translation
-unit, compiled as C++ with a shim that emulates a threadgroup (one std::thread per GPU thread,
-std::barrier for the threadgroup barrier, an exchange buffer per 32-lane SIMD group for
-shuffles and reductions; threadgroup arrays become statics, shared by the threads of the one
-threadgroup that runs at a time).
+unit, compiled as C++ with a shim that emulates a threadgroup (one fiber per GPU thread, each
+running until it waits at a barrier, the threadgroup's or its 32-lane SIMD group's; an exchange
+buffer per SIMD group for shuffles and reductions; threadgroup arrays become statics, shared by
+the threads of the one threadgroup that runs at a time). A barrier that not every thread it
+spans reaches stops the process with a message (on a GPU it would hang or be undefined).
 
 This executes the exact kernel text MLX would compile, so the kernel logic (indexing, packing,
 barriers, the online softmax) is tested against the pure-MLX reference in CI, without a GPU
@@ -31,12 +32,13 @@ CXX = shutil.which("g++")
 _COMMON = r"""
 #pragma once
 #include <atomic>
-#include <barrier>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
 #include <algorithm>
 using std::max;
@@ -80,41 +82,113 @@ struct uint4 {
   uint32_t x, y, z, w;
 };
 struct vq_emu_state {
-  std::barrier<>* block = nullptr;
-  std::vector<std::barrier<>*> warps;
   float xchg[32][32];
   uint32_t xfrag[32][32][6];  // per SIMD group and lane: mma and movmatrix operands
 };
 inline vq_emu_state vq_emu;
-inline thread_local unsigned vq_emu_tid = 0;
-inline void vq_emu_block_barrier() { vq_emu.block->arrive_and_wait(); }
+// A threadgroup's threads are fibers (ucontext) of the one OS thread that runs the launch: each
+// runs until it waits at a barrier, and a barrier lets its waiters go on once every thread it
+// spans waits there (all the threadgroup's, or the 32 of a SIMD group). An OS thread per GPU
+// thread, with std::barrier, spent most of the emulated tests' time creating threads and in
+// the scheduler's wakeups on a 2-core machine.
+enum { VQ_EMU_RUN = -3, VQ_EMU_DONE = -2, VQ_EMU_BLOCK = -1 };  // else: the SIMD group waited at
+struct vq_emu_fibers {
+  int n = 0, cur = 0;
+  std::vector<ucontext_t> ctx;
+  std::vector<std::vector<char>> stacks;
+  std::vector<int> at;
+  ucontext_t main;
+  std::function<void(unsigned)> body;
+};
+inline vq_emu_fibers vq_fib;
+inline unsigned vq_emu_tid = 0;
+// cp.async: a thread's copies land only when it waits for their group (so that a kernel that
+// reads a buffer before waiting reads what was there before)
+struct vq_emu_copy {
+  void* dst;
+  const void* src;
+};
+inline std::vector<std::vector<std::vector<vq_emu_copy>>> vq_emu_copies;  // [thread][group]
+inline void vq_emu_wait(int what) {
+  const int t = vq_fib.cur;
+  vq_fib.at[t] = what;
+  swapcontext(&vq_fib.ctx[t], &vq_fib.main);
+}
+inline void vq_emu_block_barrier() { vq_emu_wait(VQ_EMU_BLOCK); }
+inline void vq_emu_warp_barrier() { vq_emu_wait((int)(vq_emu_tid >> 5)); }
+inline void vq_emu_fiber() {
+  vq_emu_copies[vq_fib.cur].assign(1, {});
+  vq_fib.body((unsigned)vq_fib.cur);
+  vq_fib.at[vq_fib.cur] = VQ_EMU_DONE;  // then back to the scheduler (uc_link)
+}
+[[noreturn]] inline void vq_emu_stuck(const char* why) {
+  std::fprintf(stderr, "kernel emulator: %s\n", why);
+  std::abort();
+}
 inline float vq_emu_shfl_xor(float v, int m) {
   const unsigned lane = vq_emu_tid & 31u, w = vq_emu_tid >> 5;
   vq_emu.xchg[w][lane] = v;
-  vq_emu.warps[w]->arrive_and_wait();
+  vq_emu_warp_barrier();
   const float r = vq_emu.xchg[w][lane ^ (unsigned)m];
-  vq_emu.warps[w]->arrive_and_wait();
+  vq_emu_warp_barrier();
   return r;
 }
 template <class F>
 void vq_emu_run(int gx, int gy, int gz, int threads, int reverse, F&& body) {
+  const size_t stack = size_t(1) << 18;
+  vq_emu_fibers& f = vq_fib;
+  f.n = threads;
+  f.ctx.resize(threads);
+  f.at.resize(threads);
+  if ((int)f.stacks.size() < threads) f.stacks.resize(threads);
+  if ((int)vq_emu_copies.size() < threads) vq_emu_copies.resize(threads);
+  const int warps = (threads + 31) / 32;
+  std::vector<int> waiting(warps);
   for (int z = 0; z < gz; ++z)
     for (int y = 0; y < gy; ++y)
       for (int i = 0; i < gx; ++i) {
         const int x = reverse ? gx - 1 - i : i;
-        std::barrier<> block(threads);
-        std::vector<std::barrier<>*> warps;
-        for (int w = 0; w < threads / 32; ++w) warps.push_back(new std::barrier<>(32));
-        vq_emu.block = &block;
-        vq_emu.warps = warps;
-        std::vector<std::thread> pool;
-        for (int t = 0; t < threads; ++t)
-          pool.emplace_back([&, t] {
+        f.body = [&](unsigned t) { body(t, (unsigned)x, (unsigned)y, (unsigned)z); };
+        for (int t = 0; t < threads; ++t) {
+          if (f.stacks[t].size() < stack) f.stacks[t].resize(stack);
+          getcontext(&f.ctx[t]);
+          f.ctx[t].uc_stack.ss_sp = f.stacks[t].data();
+          f.ctx[t].uc_stack.ss_size = stack;
+          f.ctx[t].uc_link = &f.main;
+          makecontext(&f.ctx[t], vq_emu_fiber, 0);
+          f.at[t] = VQ_EMU_RUN;
+        }
+        for (;;) {
+          for (int t = 0; t < threads; ++t) {
+            if (f.at[t] != VQ_EMU_RUN) continue;
+            f.cur = t;
             vq_emu_tid = (unsigned)t;
-            body((unsigned)t, (unsigned)x, (unsigned)y, (unsigned)z);
-          });
-        for (auto& th : pool) th.join();
-        for (auto* w : warps) delete w;
+            swapcontext(&f.main, &f.ctx[t]);
+          }
+          int done = 0, block = 0;
+          std::fill(waiting.begin(), waiting.end(), 0);
+          for (int t = 0; t < threads; ++t) {
+            done += f.at[t] == VQ_EMU_DONE;
+            block += f.at[t] == VQ_EMU_BLOCK;
+            if (f.at[t] >= 0) ++waiting[f.at[t]];
+          }
+          if (done == threads) break;
+          bool released = false;
+          if (block == threads) {
+            std::fill(f.at.begin(), f.at.end(), (int)VQ_EMU_RUN);
+            released = true;
+          }
+          for (int w = 0; w < warps; ++w) {
+            if (waiting[w] == std::min(32, threads - 32 * w)) {
+              for (int t = 32 * w; t < std::min(threads, 32 * w + 32); ++t) f.at[t] = VQ_EMU_RUN;
+              released = true;
+            }
+          }
+          if (!released) {
+            vq_emu_stuck(done ? "a barrier that some threads of the threadgroup have left"
+                              : "threads wait at different barriers");
+          }
+        }
       }
 }
 """
@@ -133,7 +207,8 @@ _CUDA_SHIM = (
 typedef vq_half __half;
 typedef vq_bf16 __nv_bfloat16;
 struct vq_dim3 { unsigned x, y, z; };
-inline thread_local vq_dim3 threadIdx, blockIdx;
+#define threadIdx (vq_dim3{vq_emu_tid, 0u, 0u})
+inline vq_dim3 blockIdx;
 inline void __syncthreads() { vq_emu_block_barrier(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) { return vq_emu_shfl_xor(v, m); }
 inline float2 make_float2(float a, float b) { return float2(a, b); }
@@ -181,7 +256,7 @@ inline void vq_mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (
   const unsigned lane = vq_emu_tid & 31u, w = vq_emu_tid >> 5;
   for (int i = 0; i < 4; ++i) vq_emu.xfrag[w][lane][i] = a[i];
   for (int i = 0; i < 2; ++i) vq_emu.xfrag[w][lane][4 + i] = b[i];
-  vq_emu.warps[w]->arrive_and_wait();
+  vq_emu_warp_barrier();
   float A[16][16], B[16][8];
   for (int l = 0; l < 32; ++l) {
     const int g = l >> 2, t = l & 3;
@@ -202,26 +277,20 @@ inline void vq_mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (
     for (int k = 0; k < 16; ++k) sum += A[m][k] * B[k][n];
     c[e] = sum;
   }
-  vq_emu.warps[w]->arrive_and_wait();
+  vq_emu_warp_barrier();
 }
 inline uint32_t vq_and_opaque(uint32_t x, uint32_t m) { return x & m; }
-// cp.async: a thread's copies land only when it waits for their group (so that a kernel that
-// reads a buffer before waiting reads what was there before)
-struct vq_emu_copy {
-  void* dst;
-  const void* src;
-};
-inline thread_local std::vector<std::vector<vq_emu_copy>> vq_emu_groups(1);
 inline void vq_cp_async16(void* dst, const void* src) {
-  vq_emu_groups.back().push_back({dst, src});
+  vq_emu_copies[vq_emu_tid].back().push_back({dst, src});
 }
-inline void vq_cp_async_commit() { vq_emu_groups.emplace_back(); }
+inline void vq_cp_async_commit() { vq_emu_copies[vq_emu_tid].emplace_back(); }
 template <int N>
 inline void vq_cp_async_wait() {
   // the committed groups are all but the last (open) one; all but the newest N of them land
-  while ((int)vq_emu_groups.size() - 1 > N) {
-    for (const vq_emu_copy& c : vq_emu_groups.front()) std::memcpy(c.dst, c.src, 16);
-    vq_emu_groups.erase(vq_emu_groups.begin());
+  std::vector<std::vector<vq_emu_copy>>& groups = vq_emu_copies[vq_emu_tid];
+  while ((int)groups.size() - 1 > N) {
+    for (const vq_emu_copy& c : groups.front()) std::memcpy(c.dst, c.src, 16);
+    groups.erase(groups.begin());
   }
 }
 inline float vq_round_half(float x) { return (float)vq_half(x); }
@@ -252,7 +321,7 @@ inline uint2 vq_lds(uint32_t at, uint2) {
 inline uint32_t vq_movmatrix_trans(uint32_t x) {
   const unsigned lane = vq_emu_tid & 31u, w = vq_emu_tid >> 5;
   vq_emu.xfrag[w][lane][0] = x;
-  vq_emu.warps[w]->arrive_and_wait();
+  vq_emu_warp_barrier();
   // M^T[g][2t + u] = M[2t + u][g]: half g % 2 of the register of lane 4 (2t + u) + g / 2
   const unsigned g = lane >> 2, t = lane & 3u;
   uint32_t y = 0;
@@ -260,7 +329,7 @@ inline uint32_t vq_movmatrix_trans(uint32_t x) {
     const uint32_t src = vq_emu.xfrag[w][4 * (2 * t + u) + g / 2][0];
     y |= (g % 2 ? src >> 16 : src & 0xffffu) << (16 * u);
   }
-  vq_emu.warps[w]->arrive_and_wait();
+  vq_emu_warp_barrier();
   return y;
 }
 """
@@ -329,7 +398,7 @@ def _stub(source: KernelSource, backend: str, in_types: list[str], out_types: li
     name = f"custom_kernel_{source.kernel_name}"
     if backend == "cuda":
         call = f"mlx::core::cu::{name}({', '.join(args)});"
-        pre = "threadIdx = vq_dim3{t, 0, 0}; blockIdx = vq_dim3{x, y, z};"
+        pre = "blockIdx = vq_dim3{x, y, z};"
     else:
         values = {
             "simdgroup_index_in_threadgroup": "t / 32u",
