@@ -50,9 +50,9 @@
 #                                       # 64K / 128K steps (NCU_CONTEXTS picks others)
 #   bash benchmarks/h200_mma.sh online  # the online merge (COMBINE_ONLINE, this tree) against
 #                                       # the merge of _COMBINE_HEADS: outputs and codes per layer
-#                                       # step, both timelines at 64K, greedy tokens and logits
-#                                       # (RoPE in the kernel against the model's), ncu of real
-#                                       # 64K steps (NCU_CONTEXTS picks others)
+#                                       # step, ncu of real 64K steps (NCU_CONTEXTS picks others),
+#                                       # greedy tokens and logits (RoPE in the kernel against
+#                                       # the model's)
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -329,22 +329,17 @@ online)
   sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
   grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
   echo "== the online merge (this tree) against _COMBINE_HEADS's, per layer step: outputs, codes"
-  timeout 100 python benchmarks/ab_kernel_revisions.py --baseline /tmp/heads_kernels.py --steps \
-    --contexts 16384 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
-  for k in "$K" /tmp/heads_kernels.py; do
-    echo "== timeline-one, $k"
-    timeout 50 python benchmarks/profile_partial_kernel.py timeline-one --contexts 65536 \
-      --kernels "$k" 2>&1 | tee -a "$OUT/timeline.txt"
+  timeout 80 python benchmarks/ab_kernel_revisions.py --baseline /tmp/heads_kernels.py --steps \
+    --contexts 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
+  arms=(--baseline "heads=/tmp/heads_kernels.py" --baseline "modelrope=/tmp/modelrope_kernels.py")
+  for ctx in ${NCU_CONTEXTS:-65536}; do
+    ncu_arms "$ctx" 150 | grep -E "^==|GPU time|custom_kernel|sdpa"
   done
   echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape,"
   echo "   seeded weights, the rope ops deferred)"
   timeout 100 python benchmarks/check_rope_in_kernel.py \
     --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
     | tee "$OUT/check_rope.txt"
-  arms=(--baseline "heads=/tmp/heads_kernels.py" --baseline "modelrope=/tmp/modelrope_kernels.py")
-  for ctx in ${NCU_CONTEXTS:-65536}; do
-    ncu_arms "$ctx" 150 | grep -E "^==|GPU time|custom_kernel|sdpa"
-  done
   ;;
 ropetable)
   # a change to the in-kernel rotation against BASE (another revision's kernels.py, as for
