@@ -48,8 +48,8 @@
 #                                       # an in-kernel rotation change against BASE (and ARMS,
 #                                       # as for loop): greedy tokens and logits, ncu of real
 #                                       # 64K / 128K steps (NCU_CONTEXTS picks others)
-#   bash benchmarks/h200_mma.sh online  # the online merge (COMBINE_ONLINE, this tree) against
-#                                       # the merge of _COMBINE_HEADS: outputs and codes per layer
+#   bash benchmarks/h200_mma.sh online  # the online merge (COMBINE_ONLINE) against the merge of
+#                                       # _COMBINE_HEADS, either as the tree: outputs and codes per layer
 #                                       # step, ncu of real 64K steps (NCU_CONTEXTS picks others),
 #                                       # greedy tokens and logits (RoPE in the kernel against
 #                                       # the model's)
@@ -324,14 +324,17 @@ rope_e2e)
     --repeats 3 2>&1 | tee "$OUT/generate_rope.txt"
   ;;
 online)
-  grep -q '^COMBINE_ONLINE = True$' "$K" || { echo "expected COMBINE_ONLINE = True in $K" >&2; exit 2; }
-  sed 's/^COMBINE_ONLINE = True$/COMBINE_ONLINE = False/' "$K" > /tmp/heads_kernels.py
+  # the merge the tree does not default to, as the other arm
+  if grep -q '^COMBINE_ONLINE = True$' "$K"; then other=heads; flip='s/^COMBINE_ONLINE = True$/COMBINE_ONLINE = False/'
+  else other=online; flip='s/^COMBINE_ONLINE = False$/COMBINE_ONLINE = True/'; fi
+  sed "$flip" "$K" > "/tmp/${other}_kernels.py"
+  cmp -s "$K" "/tmp/${other}_kernels.py" && { echo "sed failed: COMBINE_ONLINE" >&2; exit 2; }
   sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
   grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
-  echo "== the online merge (this tree) against _COMBINE_HEADS's, per layer step: outputs, codes"
-  timeout 80 python benchmarks/ab_kernel_revisions.py --baseline /tmp/heads_kernels.py --steps \
+  echo "== this tree's merge against the $other merge, per layer step: outputs, codes"
+  timeout 80 python benchmarks/ab_kernel_revisions.py --baseline "/tmp/${other}_kernels.py" --steps \
     --contexts 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
-  arms=(--baseline "heads=/tmp/heads_kernels.py" --baseline "modelrope=/tmp/modelrope_kernels.py")
+  arms=(--baseline "$other=/tmp/${other}_kernels.py" --baseline "modelrope=/tmp/modelrope_kernels.py")
   for ctx in ${NCU_CONTEXTS:-65536}; do
     ncu_arms "$ctx" 150 | grep -E "^==|GPU time|custom_kernel|sdpa"
   done

@@ -458,14 +458,15 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
             one_e = _emulated_attention(backend, c, q, pending, r, 1, reverse=r == 1)
             # the merge of _COMBINE_HEADS, its rows as float4s and as scalars: the same sums
             # in the same order
-            assert K.COMBINE_FLOAT4 and K.COMBINE_ONLINE
+            assert K.COMBINE_FLOAT4
+            online_default = K.COMBINE_ONLINE
             monkeypatch.setattr(K, "COMBINE_ONLINE", False)
             heads4, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             monkeypatch.setattr(K, "COMBINE_FLOAT4", False)
             one_scalar, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             monkeypatch.setattr(K, "COMBINE_FLOAT4", True)
             np.testing.assert_array_equal(one_scalar, heads4)
-            # the online merge (this launch's, `one`) against it: each item's running max
+            # the online merge against it (and this launch's, `one`): each item's running max
             # over chunks of C4U splits, here several with the last of them partial (with 2
             # splits, one partial chunk)
             monkeypatch.setattr(K, "COMBINE_ONLINE", True)
@@ -474,6 +475,7 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
             monkeypatch.setattr(K, "COMBINE_LOADS4", per_chunk)
             online, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             monkeypatch.setattr(K, "COMBINE_LOADS4", loads)
+            monkeypatch.setattr(K, "COMBINE_ONLINE", online_default)
             tight = {"rtol": 1e-5, "atol": 1e-6 * max(1.0, np.abs(heads4).max())}
             np.testing.assert_allclose(online, heads4, **tight)
             np.testing.assert_allclose(one, heads4, **tight)
@@ -600,7 +602,7 @@ def test_a_step_s_launch_inputs_follow_switches_flipped_between_steps(monkeypatc
         {"ROPE_IN_KERNEL": False},
         {"MMA": False},
         {"WRITE_IN_PLACE": False},
-        {"COMBINE_ONLINE": False},
+        {"COMBINE_ONLINE": not K.COMBINE_ONLINE},
         {"COMBINE_ONLINE": False, "COMBINE_FLOAT4": False},
         {"COMBINE_LOADS4": 8},
         {"KEY_ROWS_AHEAD": False},
