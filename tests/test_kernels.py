@@ -626,6 +626,49 @@ def test_a_step_s_launch_inputs_follow_switches_flipped_between_steps(monkeypatc
     assert len(seen) == len(settings)  # each setting a launch of its own
 
 
+_BARRIER_PROBE = """
+  VQ_SHARED float s_x[64];
+  s_x[vq_tid] = x[vq_tid];
+  if (vq_tid < LIVE) VQ_BARRIER();
+  y[vq_tid] = s_x[63 - vq_tid] + vq_simd_sum(x[vq_tid]);
+"""
+
+
+@needs_cxx
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_the_emulator_runs_threads_to_their_barriers_and_stops_at_a_divergent_one(backend):
+    """The emulator's threads are fibers that run until they wait at a barrier: what a thread
+    wrote before the threadgroup's barrier every thread reads after it, and a SIMD group's sum
+    waits for its 32 lanes. A barrier that only some threads reach (a hang or undefined on a
+    GPU) stops the process with a message, here a child's."""
+    import subprocess
+    import sys
+
+    import veloxquant.kernels as vk
+
+    x = np.arange(64, dtype=np.float32)
+    whole = vk.KernelSource(
+        name="probe", inputs=("x",), outputs=("y",), body=_BARRIER_PROBE, threads=64
+    )
+    (y,) = emu.run(dataclasses.replace(whole, constants={"LIVE": 64}), backend, [x], (1, 1, 1),
+                   [(64,)], ["float32"])  # fmt: skip
+    sums = np.repeat([x[:32].sum(), x[32:].sum()], 32)
+    np.testing.assert_array_equal(y, x[::-1] + sums)
+    child = f"""
+import dataclasses, numpy as np, veloxquant.kernels as vk
+from tests import kernel_emulator as emu
+from tests.test_kernels import _BARRIER_PROBE
+src = vk.KernelSource(name="probe", inputs=("x",), outputs=("y",), body=_BARRIER_PROBE,
+                      threads=64, constants={{"LIVE": 32}})
+emu.run(src, "{backend}", [np.zeros(64, np.float32)], (1, 1, 1), [(64,)], ["float32"])
+print("returned")
+"""
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=root)
+    assert res.returncode != 0 and "returned" not in res.stdout
+    assert "kernel emulator: a barrier that some threads of the threadgroup have left" in res.stderr
+
+
 @needs_cxx
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
 def test_emulated_encode_kernel_matches_the_cache_encoder(
