@@ -93,7 +93,7 @@ inline vq_emu_state vq_emu;
 // the scheduler's wakeups on a 2-core machine.
 enum { VQ_EMU_RUN = -3, VQ_EMU_DONE = -2, VQ_EMU_BLOCK = -1 };  // else: the SIMD group waited at
 struct vq_emu_fibers {
-  int n = 0, cur = 0;
+  int cur = 0;
   std::vector<ucontext_t> ctx;
   std::vector<std::vector<char>> stacks;
   std::vector<int> at;
@@ -137,7 +137,6 @@ template <class F>
 void vq_emu_run(int gx, int gy, int gz, int threads, int reverse, F&& body) {
   const size_t stack = size_t(1) << 18;
   vq_emu_fibers& f = vq_fib;
-  f.n = threads;
   f.ctx.resize(threads);
   f.at.resize(threads);
   if ((int)f.stacks.size() < threads) f.stacks.resize(threads);
