@@ -73,6 +73,9 @@ K=veloxquant/methods/vecinfer/kernels.py
 grep -q '^MMA = True$' "$K" || { echo "expected MMA = True in $K" >&2; exit 2; }
 sed 's/^MMA = True$/MMA = False/' "$K" > /tmp/cuda_cores_kernels.py
 sed 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 0/' "$K" > /tmp/mma0_kernels.py
+# the model's rotation instead of the kernel's (rope, online and ropetable's arm)
+sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
+grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
 sed 's/^MIN_SPLIT = 512$/MIN_SPLIT = 256/' "$K" > /tmp/split256_kernels.py
 # 528 already gives 64 splits (520 threadgroups, one wave) from 64K up, as split_tokens rounds
 # a split to whole tiles; 1056 tries two waves of half as many tokens each
@@ -305,8 +308,6 @@ phases)
   timeout 45 $P --contexts 65536 --cut no-rows 2>&1
   ;;
 rope)
-  sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
-  grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
   echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape,"
   echo "   seeded weights), the rope ops deferred (the default) and built (--no-defer)"
   for defer in "" --no-defer; do
@@ -329,8 +330,6 @@ online)
   else other=online; flip='s/^COMBINE_ONLINE = False$/COMBINE_ONLINE = True/'; fi
   sed "$flip" "$K" > "/tmp/${other}_kernels.py"
   cmp -s "$K" "/tmp/${other}_kernels.py" && { echo "sed failed: COMBINE_ONLINE" >&2; exit 2; }
-  sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
-  grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
   echo "== this tree's merge against the $other merge, per layer step: outputs, codes"
   timeout 80 python benchmarks/ab_kernel_revisions.py --baseline "/tmp/${other}_kernels.py" --steps \
     --contexts 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
@@ -350,8 +349,6 @@ ropetable)
   # every kernel of real decode steps at 64K and 128K: fp16, this tree, BASE, the model's RoPE
   BASE=${BASE:-benchmarks/_base_kernels.py}
   [ -f "$BASE" ] || { echo "no $BASE: see the loop mode's comment at the top" >&2; exit 2; }
-  sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
-  grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
   echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape,"
   echo "   seeded weights, the rope ops deferred)"
   timeout 100 python benchmarks/check_rope_in_kernel.py \
