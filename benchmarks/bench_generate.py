@@ -33,6 +33,9 @@ With `--model-rope`, one more: `vecinfer_model_rope`, the decode step's query an
 the model's own rope launches (`kernels.ROPE_IN_KERNEL` off, the model's rope modules untapped)
 instead of inside the attention launch. The fp16 arm always runs on the untapped model.
 
+With `--other-merge`, one more: `vecinfer_other_merge`, the one-launch kernel with the merge the
+tree does not default to (`kernels.COMBINE_ONLINE` flipped).
+
 With `--profile`, cProfile of the host graph build of a few fused steps (top functions by own
 time).
 
@@ -54,6 +57,7 @@ from mlx_lm.generate import generate_step
 from veloxquant import attention
 from veloxquant import rope as rope_tap
 from veloxquant.methods.vecinfer.cache import DEFAULT_SINKS, DEFAULT_WINDOW, window_dtype
+from veloxquant.methods.vecinfer.kernels import COMBINE_ONLINE as _DEFAULT_COMBINE_ONLINE
 from veloxquant.rope import RopeSpec
 from _common import fmt, model_dtype, random_weights_model
 from bench_kernels import synthetic_cache
@@ -185,19 +189,23 @@ def use_kernels(
     source_files: bool = True,
     mma: bool = True,
     rope_in: bool = True,
+    other_merge: bool = False,
 ):
     """An arm's select: the attention launches `fn` (default the real ones) with the kernels'
     switches as given, the defaults being the default path; with rope_in, `model`'s rope
-    modules tapped (make_cache's default for these caches), without, untapped."""
+    modules tapped (make_cache's default for these caches), without, untapped; with
+    other_merge, the one-launch merge the tree does not default to."""
     from veloxquant.methods.vecinfer import kernels
 
     real = kernels.launch_attention if fn is None else fn
+    online = _DEFAULT_COMBINE_ONLINE != other_merge
 
     def select():
         kernels.launch_attention = real
         kernels.ONE_LAUNCH = one_launch
         kernels.MMA = mma
         kernels.ROPE_IN_KERNEL = rope_in
+        kernels.COMBINE_ONLINE = online
         veloxquant.kernels.CUDA_SOURCE_FILES = source_files
         (rope_tap.tap if rope_in else rope_tap.untap)(model)
 
@@ -222,6 +230,7 @@ def main() -> None:
     p.add_argument("--bounds", action="store_true", help="arms without the combine / attention")
     p.add_argument("--cuda-cores", action="store_true", help="an arm with kernels.MMA off")
     p.add_argument("--model-rope", action="store_true", help="an arm with the model's RoPE")
+    p.add_argument("--other-merge", action="store_true", help="an arm with COMBINE_ONLINE flipped")
     args = p.parse_args()
 
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
@@ -250,6 +259,9 @@ def main() -> None:
         if args.model_rope:
             model_rope = (default_layout_caches(model, ctx), use_kernels(model, rope_in=False))
             arms["vecinfer_model_rope"] = model_rope
+        if args.other_merge:
+            other = (default_layout_caches(model, ctx), use_kernels(model, other_merge=True))
+            arms["vecinfer_other_merge"] = other
         if args.bounds:
             for name, (caches, select) in bound_arms(model, ctx).items():
                 arms[name] = (caches or arms[name][0], select)

@@ -53,6 +53,8 @@
 #                                       # step, ncu of real 64K steps (NCU_CONTEXTS picks others),
 #                                       # greedy tokens and logits (RoPE in the kernel against
 #                                       # the model's)
+#   bash benchmarks/h200_mma.sh online_e2e  # tokens/s: fp16, this tree, the other merge at 64K /
+#                                       # 128K (CONTEXTS picks others)
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -342,6 +344,12 @@ online)
   timeout 100 python benchmarks/check_rope_in_kernel.py \
     --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
     | tee "$OUT/check_rope.txt"
+  ;;
+online_e2e)
+  echo "== tokens/s: fp16, this tree's merge, the other merge (COMBINE_ONLINE flipped; 8B shape)"
+  timeout 540 python benchmarks/bench_generate.py --other-merge --dtype bfloat16 \
+    --random-weights benchmarks/configs/llama3-8b.json --contexts ${CONTEXTS:-65536 131072} \
+    --repeats 3 2>&1 | tee "$OUT/generate_merge.txt"
   ;;
 ropetable)
   # a change to the in-kernel rotation against BASE (another revision's kernels.py, as for
