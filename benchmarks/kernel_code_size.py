@@ -187,15 +187,17 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
     if rope_in:
         window = a["partial"][7].dtype  # ONE_LAUNCH_INPUTS' win_k
         src = kernels.one_launch_kernel_source(a["layout"], qs[0].dtype, window, a["r"], True)
-    src = one_launch_stamped(src)
-    outputs = ["float32", dtype_name(qs[0].dtype), "uint32", "uint32"]
-    tu = src.cuda_translation_unit([dtype_name(x.dtype) for x in a["partial"]], outputs)
-    used, sass = compile_and_read(tu, work, tag.replace(" ", "_"))
-    code = [
-        (int(m.group(1), 16), m.group(2))
-        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)
-    ]
-    merge = merge_kind(src.body)
+    inputs = [dtype_name(x.dtype) for x in a["partial"]]
+    outputs = ["float32", dtype_name(qs[0].dtype)]
+    # the stamps move the register allocation (the tile loop by up to 2%), so the kernel as MLX
+    # runs it gives the registers and the loop, and the stamped one the merge's bytes
+    used, sass = compile_and_read(src.cuda_translation_unit(inputs, outputs), work, "unstamped")
+    loop_code = _sass_code(sass)
+    stamped = one_launch_stamped(src)
+    tu = stamped.cuda_translation_unit(inputs, [*outputs, "uint32", "uint32"])
+    sass = compile_and_read(tu, work, tag.replace(" ", "_"))[1]
+    code = _sass_code(sass)
+    merge = merge_kind(stamped.body)
     stamps = one_launch_stamp_addresses(sass, merge)
     runs, run = [], [0, 0]  # global loads between two branches: [all, 128-bit]
     for at, ins in code:
@@ -209,12 +211,20 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
     runs = sorted([r for r in runs + [run] if r[0]], reverse=True)[:6]
     print(f"{tag}: {kernels.__file__}, one launch" + (", rotating (rope_in)" if rope_in else ""))
     print(f"  {used}")
-    print(f"  {code[-1][0] + 16} bytes of SASS; the merge (split done -> merged) "
+    print(f"  {loop_code[-1][0] + 16} bytes of SASS; the merge (split done -> merged, stamped) "
           f"{stamps[2] - stamps[1]} bytes; its longest runs of global loads between two branches: "
           + ", ".join(f"{n} ({w} of 128 bits)" for n, w in runs))  # fmt: skip
     print("  the merge's phases (timeline-one's names), bytes: " + ", ".join(
         f"{name} {stamps[b] - stamps[a]}" for name, a, b in MERGE_PHASES[merge]))  # fmt: skip
-    tile_loop_report(code, 32 * a["r"])
+    tile_loop_report(loop_code, 32 * a["r"])
+
+
+def _sass_code(sass: str) -> list[tuple[int, str]]:
+    """[(address, instruction)] of a cuobjdump -sass listing."""
+    return [
+        (int(m.group(1), 16), m.group(2))
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)
+    ]
 
 
 def one_launch_stamp_addresses(sass: str, merge: str) -> dict[int, int]:
