@@ -54,6 +54,21 @@ def test_vecinfer_cuda_sources_compile_under_nvrtc(changes, monkeypatch):
     _compiles(K.encode_kernel_source(lay), encode_in, [U8, U8])
 
 
+def test_the_one_launch_merge_variants_compile_under_nvrtc(monkeypatch):
+    """The merges the tree does not default to (COMBINE_ONLINE), inline and called
+    (COMBINE_CALLED: a lambda NVRTC must accept as a non-inlined call)."""
+    lay = _layout()
+    default = (K.COMBINE_ONLINE, K.COMBINE_CALLED)
+    for online, called in [(o, c) for o in (False, True) for c in (False, True)]:
+        if (online, called) == default:
+            continue  # compiled by test_vecinfer_cuda_sources_compile_under_nvrtc
+        monkeypatch.setattr(K, "COMBINE_ONLINE", online)
+        monkeypatch.setattr(K, "COMBINE_CALLED", called)
+        src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16, rope_in=True)
+        assert ("__noinline__" in src.body) is called
+        _compiles(src, ONE_IN, ONE_OUT)
+
+
 def test_the_timeline_stamps_and_cuts_still_apply_and_compile(monkeypatch):
     """benchmarks/profile_partial_kernel.py's timeline-one finds its stamps' places (the tile
     loop's start among them) and its --cut edits in the one-launch source by exact text, and a

@@ -474,6 +474,12 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
             per_chunk = next((u for u in range(2, n_splits) if n_splits % u), 3)
             monkeypatch.setattr(K, "COMBINE_LOADS4", per_chunk)
             online, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            # ... and as a called function (COMBINE_CALLED): the same code behind a call
+            called_default = K.COMBINE_CALLED
+            monkeypatch.setattr(K, "COMBINE_CALLED", not called_default)
+            online_other, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            monkeypatch.setattr(K, "COMBINE_CALLED", called_default)
+            np.testing.assert_array_equal(online_other, online)
             monkeypatch.setattr(K, "COMBINE_LOADS4", loads)
             monkeypatch.setattr(K, "COMBINE_ONLINE", online_default)
             tight = {"rtol": 1e-5, "atol": 1e-6 * max(1.0, np.abs(heads4).max())}
@@ -603,6 +609,7 @@ def test_a_step_s_launch_inputs_follow_switches_flipped_between_steps(monkeypatc
         {"MMA": False},
         {"WRITE_IN_PLACE": False},
         {"COMBINE_ONLINE": not K.COMBINE_ONLINE},
+        {"COMBINE_CALLED": not K.COMBINE_CALLED},
         {"COMBINE_ONLINE": False, "COMBINE_FLOAT4": False},
         {"COMBINE_LOADS4": 8},
         {"KEY_ROWS_AHEAD": False},

@@ -1769,6 +1769,14 @@ _COMBINE_ONLINE = (
 )
 
 
+# The one-launch merge as a function NVRTC does not inline: a lambda, capturing by value, called
+# where the merge was. NVRTC allocates the registers of the whole kernel at once, so the merge's
+# code moved the tile loop's (the bulk of a split): without stamps, the loop is 1220 instructions
+# a tile with the float4 merge, 1251 with the online merge inline and 1210 with it called
+# (benchmarks/results/merge-online-cpu.txt). Off until a GPU times it.
+COMBINE_CALLED = False
+
+
 def combine_floats(heads: int, head_dim: int, threads: int | None = None) -> int:
     """Floats of the combine's threadgroup array for `heads` query heads merged by `threads`
     threads (default head_dim)."""
@@ -2527,7 +2535,8 @@ def one_launch_kernel_source(
     if rope_in and not lay.center:
         raise ValueError("rope_in needs a layout with the key mean (a cache with the RoPE)")
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK, mma)
-    key += (COMBINE_FLOAT4, COMBINE_ONLINE, COMBINE_LOADS, COMBINE_LOADS4, KEY_ROWS_AHEAD)
+    key += (COMBINE_FLOAT4, COMBINE_ONLINE, COMBINE_CALLED, COMBINE_LOADS, COMBINE_LOADS4)
+    key += (KEY_ROWS_AHEAD,)
     key += (MMA_MIN_THREADGROUPS, rope_in)
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
@@ -2537,6 +2546,8 @@ def one_launch_kernel_source(
             partial = replace(partial, body=body, constants=constants, helpers=helpers)
             partial = replace(partial, min_threadgroups=MMA_MIN_THREADGROUPS)
         combine = _combine_statements("h * G", lay.group, TILE, lay.head_dim, "s_tail")
+        if COMBINE_CALLED:
+            combine = "    [=]() __noinline__ {\n" + combine + "\n    }();\n"
         encode = _encode_statements("0", "(int)vq_gy", in_place=True)
         encode = re.sub(r"\bk_in\b", "win_k", re.sub(r"\bv_in\b", "win_v", encode))
         tail = _ONE_LAUNCH_TAIL.replace("COMBINE", combine).replace("ENCODE", encode)
@@ -3092,9 +3103,9 @@ def _step_kind(
         None if sk is None else (sk.dtype, cache.sink_values.dtype),
         None if win is None else (win[0].dtype, win[1].dtype),
         nk.dtype, nv.dtype, None if last is None else last.dtype,
-        MMA, TILE, COMBINE_CHUNK, COMBINE_FLOAT4, COMBINE_ONLINE, COMBINE_LOADS, COMBINE_LOADS4,
-        KEY_ROWS_AHEAD, WRITE_IN_PLACE, ONE_LAUNCH, ROPE_IN_KERNEL, THREADGROUP_LIMIT["cuda"],
-        MMA_VALUE_BOOK_BYTES, MMA_MIN_THREADGROUPS,
+        MMA, TILE, COMBINE_CHUNK, COMBINE_FLOAT4, COMBINE_ONLINE, COMBINE_CALLED, COMBINE_LOADS,
+        COMBINE_LOADS4, KEY_ROWS_AHEAD, WRITE_IN_PLACE, ONE_LAUNCH, ROPE_IN_KERNEL,
+        THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES, MMA_MIN_THREADGROUPS,
     )  # fmt: skip
     memo = cache.__dict__.setdefault("_kernel_memo", {})
     step = memo.get(key)
