@@ -53,8 +53,11 @@
 #                                       # step, ncu of real 64K steps (NCU_CONTEXTS picks others),
 #                                       # greedy tokens and logits (RoPE in the kernel against
 #                                       # the model's)
-#   bash benchmarks/h200_mma.sh online_e2e  # tokens/s: fp16, this tree, the other merge at 64K /
-#                                       # 128K (CONTEXTS picks others)
+#   bash benchmarks/h200_mma.sh called  # the online merge as a called function (COMBINE_CALLED)
+#                                       # against this tree: outputs and codes per layer step, ncu
+#                                       # of real 64K / 128K steps beside the online merge inline
+#   bash benchmarks/h200_mma.sh online_e2e  # tokens/s: fp16, this tree, each other merge
+#                                       # (bench_generate.py's MERGES) at 64K / 128K (CONTEXTS)
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -345,9 +348,23 @@ online)
     --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
     | tee "$OUT/check_rope.txt"
   ;;
+called)
+  grep -q '^COMBINE_ONLINE = False$' "$K" && grep -q '^COMBINE_CALLED = False$' "$K" \
+    || { echo "expected COMBINE_ONLINE and COMBINE_CALLED off in $K" >&2; exit 2; }
+  sed 's/^COMBINE_ONLINE = False$/COMBINE_ONLINE = True/' "$K" > /tmp/online_kernels.py
+  sed 's/^COMBINE_CALLED = False$/COMBINE_CALLED = True/' /tmp/online_kernels.py \
+    > /tmp/called_kernels.py
+  echo "== this tree's merge against the online merge called, per layer step: outputs, codes"
+  timeout 80 python benchmarks/ab_kernel_revisions.py --baseline /tmp/called_kernels.py --steps \
+    --contexts 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_called.txt"
+  arms=(--baseline online=/tmp/online_kernels.py --baseline called=/tmp/called_kernels.py)
+  for ctx in ${NCU_CONTEXTS:-65536 131072}; do
+    ncu_arms "$ctx" 200 | grep -E "^==|GPU time|custom_kernel|sdpa"
+  done
+  ;;
 online_e2e)
-  echo "== tokens/s: fp16, this tree's merge, the other merge (COMBINE_ONLINE flipped; 8B shape)"
-  timeout 540 python benchmarks/bench_generate.py --other-merge --dtype bfloat16 \
+  echo "== tokens/s: fp16, this tree's merge, the others (bench_generate.py's MERGES; 8B shape)"
+  timeout 540 python benchmarks/bench_generate.py --merges --dtype bfloat16 \
     --random-weights benchmarks/configs/llama3-8b.json --contexts ${CONTEXTS:-65536 131072} \
     --repeats 3 2>&1 | tee "$OUT/generate_merge.txt"
   ;;
@@ -426,7 +443,7 @@ mergecuts)
     | tee "$OUT/step65536_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|merge4|mergecuts|loop|tiles4|bounds|costs|phases|rope|rope_e2e|online|online_e2e|ropetable" >&2
+  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|merge4|mergecuts|loop|tiles4|bounds|costs|phases|rope|rope_e2e|online|called|online_e2e|ropetable" >&2
   exit 2
   ;;
 esac

@@ -193,6 +193,12 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
     # runs it gives the registers and the loop, and the stamped one the merge's bytes
     used, sass = compile_and_read(src.cuda_translation_unit(inputs, outputs), work, "unstamped")
     loop_code = _sass_code(sass)
+    print(f"{tag}: {kernels.__file__}, one launch" + (", rotating (rope_in)" if rope_in else ""))
+    print(f"  {used}")
+    if getattr(kernels, "COMBINE_CALLED", False):  # the stamps would sit in another function
+        print(f"  {loop_code[-1][0] + 16} bytes of SASS; the merge a called function (not stamped)")
+        tile_loop_report(loop_code, 32 * a["r"])
+        return
     stamped = one_launch_stamped(src)
     tu = stamped.cuda_translation_unit(inputs, [*outputs, "uint32", "uint32"])
     sass = compile_and_read(tu, work, tag.replace(" ", "_"))[1]
@@ -209,8 +215,6 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
         elif "LDG" in ins:
             run = [run[0] + 1, run[1] + (".128" in ins)]
     runs = sorted([r for r in runs + [run] if r[0]], reverse=True)[:6]
-    print(f"{tag}: {kernels.__file__}, one launch" + (", rotating (rope_in)" if rope_in else ""))
-    print(f"  {used}")
     print(f"  {loop_code[-1][0] + 16} bytes of SASS; the merge (split done -> merged, stamped) "
           f"{stamps[2] - stamps[1]} bytes; its longest runs of global loads between two branches: "
           + ", ".join(f"{n} ({w} of 128 bits)" for n, w in runs))  # fmt: skip
