@@ -1668,10 +1668,10 @@ _COMBINE_FLOAT4_EDITS = (
 # same order, so they agree on every scale, and the value Hadamard runs in registers as there.
 # Loads past the last split read the last split again (an index clamped, not a branch: see
 # _COMBINE_FLOAT4_EDITS) and weigh 0. Off until a GPU times it: its outputs match the float4
-# merge's to float32 rounding in the emulator, but NVRTC (sm_90a) puts the tile loop at 1214
-# instructions a tile against 1197 with the float4 merge (registers moved; no spills either way),
-# which could cost more than the merge saves (benchmarks/results/merge-online-cpu.txt;
-# `bash benchmarks/h200_mma.sh online` times the two).
+# merge's to float32 rounding in the emulator, but inline, NVRTC (sm_90a) puts the tile loop at
+# 1251 instructions a tile against 1220 with the float4 merge (registers moved), which could cost
+# more than the merge saves; called (COMBINE_CALLED), at 1210
+# (benchmarks/results/merge-online-cpu.txt; `bash benchmarks/h200_mma.sh online|called` times them).
 COMBINE_ONLINE = False
 _COMBINE_ONLINE = (
     """
