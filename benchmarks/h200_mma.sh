@@ -52,7 +52,8 @@
 #                                       # _COMBINE_HEADS, either as the tree: outputs and codes per layer
 #                                       # step, ncu of real 64K steps (NCU_CONTEXTS picks others),
 #                                       # greedy tokens and logits (RoPE in the kernel against
-#                                       # the model's)
+#                                       # the model's); with the online merge called
+#                                       # (COMBINE_CALLED) as one more ncu arm
 #   bash benchmarks/h200_mma.sh called  # the online merge as a called function (COMBINE_CALLED)
 #                                       # against this tree: outputs and codes per layer step, ncu
 #                                       # of real 64K / 128K steps beside the online merge inline
@@ -339,8 +340,12 @@ online)
   timeout 80 python benchmarks/ab_kernel_revisions.py --baseline "/tmp/${other}_kernels.py" --steps \
     --contexts 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
   arms=(--baseline "$other=/tmp/${other}_kernels.py" --baseline "modelrope=/tmp/modelrope_kernels.py")
+  # and the online merge as a called function (COMBINE_CALLED), where the tree does not call it
+  sed -e 's/^COMBINE_ONLINE = False$/COMBINE_ONLINE = True/' \
+    -e 's/^COMBINE_CALLED = False$/COMBINE_CALLED = True/' "$K" > /tmp/called_kernels.py
+  grep -q '^COMBINE_CALLED = True$' "$K" || arms+=(--baseline "called=/tmp/called_kernels.py")
   for ctx in ${NCU_CONTEXTS:-65536}; do
-    ncu_arms "$ctx" 150 | grep -E "^==|GPU time|custom_kernel|sdpa"
+    ncu_arms "$ctx" 200 | grep -E "^==|GPU time|custom_kernel|sdpa"
   done
   echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape,"
   echo "   seeded weights, the rope ops deferred)"
