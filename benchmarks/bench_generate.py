@@ -33,9 +33,6 @@ With `--model-rope`, one more: `vecinfer_model_rope`, the decode step's query an
 the model's own rope launches (`kernels.ROPE_IN_KERNEL` off, the model's rope modules untapped)
 instead of inside the attention launch. The fp16 arm always runs on the untapped model.
 
-With `--merges`, one more for each one-launch merge (MERGES) the tree does not default to:
-`vecinfer_<merge>`, `kernels.COMBINE_ONLINE` and `kernels.COMBINE_CALLED` set as MERGES says.
-
 With `--profile`, cProfile of the host graph build of a few fused steps (top functions by own
 time).
 
@@ -57,15 +54,10 @@ from mlx_lm.generate import generate_step
 from veloxquant import attention
 from veloxquant import rope as rope_tap
 from veloxquant.methods.vecinfer.cache import DEFAULT_SINKS, DEFAULT_WINDOW, window_dtype
-from veloxquant.methods.vecinfer import kernels as _kernels
 from veloxquant.rope import RopeSpec
 from _common import fmt, model_dtype, random_weights_model
 from bench_kernels import synthetic_cache
 from bench_vecinfer import filled_caches
-
-# the one-launch merges: (kernels.COMBINE_ONLINE, kernels.COMBINE_CALLED)
-MERGES = {"float4": (False, False), "online": (True, False), "online_called": (True, True)}
-DEFAULT_MERGE = (_kernels.COMBINE_ONLINE, _kernels.COMBINE_CALLED)
 
 
 def tokens_per_second(model, caches, n_tokens: int) -> float:
@@ -193,12 +185,10 @@ def use_kernels(
     source_files: bool = True,
     mma: bool = True,
     rope_in: bool = True,
-    merge: tuple[bool, bool] = DEFAULT_MERGE,
 ):
     """An arm's select: the attention launches `fn` (default the real ones) with the kernels'
     switches as given, the defaults being the default path; with rope_in, `model`'s rope
-    modules tapped (make_cache's default for these caches), without, untapped; with
-    merge, the one-launch merge (a value of MERGES)."""
+    modules tapped (make_cache's default for these caches), without, untapped."""
     from veloxquant.methods.vecinfer import kernels
 
     real = kernels.launch_attention if fn is None else fn
@@ -208,7 +198,6 @@ def use_kernels(
         kernels.ONE_LAUNCH = one_launch
         kernels.MMA = mma
         kernels.ROPE_IN_KERNEL = rope_in
-        kernels.COMBINE_ONLINE, kernels.COMBINE_CALLED = merge
         veloxquant.kernels.CUDA_SOURCE_FILES = source_files
         (rope_tap.tap if rope_in else rope_tap.untap)(model)
 
@@ -233,7 +222,6 @@ def main() -> None:
     p.add_argument("--bounds", action="store_true", help="arms without the combine / attention")
     p.add_argument("--cuda-cores", action="store_true", help="an arm with kernels.MMA off")
     p.add_argument("--model-rope", action="store_true", help="an arm with the model's RoPE")
-    p.add_argument("--merges", action="store_true", help="an arm for each other merge (MERGES)")
     args = p.parse_args()
 
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
@@ -262,10 +250,6 @@ def main() -> None:
         if args.model_rope:
             model_rope = (default_layout_caches(model, ctx), use_kernels(model, rope_in=False))
             arms["vecinfer_model_rope"] = model_rope
-        for name, merge in MERGES.items() if args.merges else ():
-            if merge != DEFAULT_MERGE:
-                other = (default_layout_caches(model, ctx), use_kernels(model, merge=merge))
-                arms[f"vecinfer_{name}"] = other
         if args.bounds:
             for name, (caches, select) in bound_arms(model, ctx).items():
                 arms[name] = (caches or arms[name][0], select)

@@ -48,17 +48,6 @@
 #                                       # an in-kernel rotation change against BASE (and ARMS,
 #                                       # as for loop): greedy tokens and logits, ncu of real
 #                                       # 64K / 128K steps (NCU_CONTEXTS picks others)
-#   bash benchmarks/h200_mma.sh online  # the online merge (COMBINE_ONLINE) against the merge of
-#                                       # _COMBINE_HEADS, either as the tree: outputs and codes per layer
-#                                       # step, ncu of real 64K steps (NCU_CONTEXTS picks others),
-#                                       # greedy tokens and logits (RoPE in the kernel against
-#                                       # the model's); with the online merge called
-#                                       # (COMBINE_CALLED) as one more ncu arm
-#   bash benchmarks/h200_mma.sh called  # the online merge as a called function (COMBINE_CALLED)
-#                                       # against this tree: outputs and codes per layer step, ncu
-#                                       # of real 64K / 128K steps beside the online merge inline
-#   bash benchmarks/h200_mma.sh online_e2e  # tokens/s: fp16, this tree, each other merge
-#                                       # (bench_generate.py's MERGES) at 64K / 128K (CONTEXTS)
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -79,7 +68,7 @@ K=veloxquant/methods/vecinfer/kernels.py
 grep -q '^MMA = True$' "$K" || { echo "expected MMA = True in $K" >&2; exit 2; }
 sed 's/^MMA = True$/MMA = False/' "$K" > /tmp/cuda_cores_kernels.py
 sed 's/^MMA_MIN_THREADGROUPS = 4$/MMA_MIN_THREADGROUPS = 0/' "$K" > /tmp/mma0_kernels.py
-# the model's rotation instead of the kernel's (rope, online and ropetable's arm)
+# the model's rotation instead of the kernel's (rope and ropetable's arm)
 sed 's/^ROPE_IN_KERNEL = True$/ROPE_IN_KERNEL = False/' "$K" > /tmp/modelrope_kernels.py
 grep -q '^ROPE_IN_KERNEL = False$' /tmp/modelrope_kernels.py || { echo "sed failed" >&2; exit 2; }
 sed 's/^MIN_SPLIT = 512$/MIN_SPLIT = 256/' "$K" > /tmp/split256_kernels.py
@@ -330,49 +319,6 @@ rope_e2e)
     --random-weights benchmarks/configs/llama3-8b.json --contexts ${CONTEXTS:-16384 65536 131072} \
     --repeats 3 2>&1 | tee "$OUT/generate_rope.txt"
   ;;
-online)
-  # the merge the tree does not default to, as the other arm
-  if grep -q '^COMBINE_ONLINE = True$' "$K"; then other=heads; flip='s/^COMBINE_ONLINE = True$/COMBINE_ONLINE = False/'
-  else other=online; flip='s/^COMBINE_ONLINE = False$/COMBINE_ONLINE = True/'; fi
-  sed "$flip" "$K" > "/tmp/${other}_kernels.py"
-  cmp -s "$K" "/tmp/${other}_kernels.py" && { echo "sed failed: COMBINE_ONLINE" >&2; exit 2; }
-  echo "== this tree's merge against the $other merge, per layer step: outputs, codes"
-  timeout 80 python benchmarks/ab_kernel_revisions.py --baseline "/tmp/${other}_kernels.py" --steps \
-    --contexts 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
-  arms=(--baseline "$other=/tmp/${other}_kernels.py" --baseline "modelrope=/tmp/modelrope_kernels.py")
-  # and the online merge as a called function (COMBINE_CALLED), where the tree does not call it
-  sed -e 's/^COMBINE_ONLINE = False$/COMBINE_ONLINE = True/' \
-    -e 's/^COMBINE_CALLED = False$/COMBINE_CALLED = True/' "$K" > /tmp/called_kernels.py
-  grep -q '^COMBINE_CALLED = True$' "$K" || arms+=(--baseline "called=/tmp/called_kernels.py")
-  for ctx in ${NCU_CONTEXTS:-65536}; do
-    ncu_arms "$ctx" 200 | grep -E "^==|GPU time|custom_kernel|sdpa"
-  done
-  echo "== greedy tokens and logits: RoPE in the kernel against the model's rotation (8B shape,"
-  echo "   seeded weights, the rope ops deferred)"
-  timeout 100 python benchmarks/check_rope_in_kernel.py \
-    --random-weights benchmarks/configs/llama3-8b.json --contexts 4096 65536 --steps 32 2>&1 \
-    | tee "$OUT/check_rope.txt"
-  ;;
-called)
-  grep -q '^COMBINE_ONLINE = False$' "$K" && grep -q '^COMBINE_CALLED = False$' "$K" \
-    || { echo "expected COMBINE_ONLINE and COMBINE_CALLED off in $K" >&2; exit 2; }
-  sed 's/^COMBINE_ONLINE = False$/COMBINE_ONLINE = True/' "$K" > /tmp/online_kernels.py
-  sed 's/^COMBINE_CALLED = False$/COMBINE_CALLED = True/' /tmp/online_kernels.py \
-    > /tmp/called_kernels.py
-  echo "== this tree's merge against the online merge called, per layer step: outputs, codes"
-  timeout 80 python benchmarks/ab_kernel_revisions.py --baseline /tmp/called_kernels.py --steps \
-    --contexts 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_called.txt"
-  arms=(--baseline online=/tmp/online_kernels.py --baseline called=/tmp/called_kernels.py)
-  for ctx in ${NCU_CONTEXTS:-65536 131072}; do
-    ncu_arms "$ctx" 200 | grep -E "^==|GPU time|custom_kernel|sdpa"
-  done
-  ;;
-online_e2e)
-  echo "== tokens/s: fp16, this tree's merge, the others (bench_generate.py's MERGES; 8B shape)"
-  timeout 540 python benchmarks/bench_generate.py --merges --dtype bfloat16 \
-    --random-weights benchmarks/configs/llama3-8b.json --contexts ${CONTEXTS:-65536 131072} \
-    --repeats 3 2>&1 | tee "$OUT/generate_merge.txt"
-  ;;
 ropetable)
   # a change to the in-kernel rotation against BASE (another revision's kernels.py, as for
   # `loop`): greedy tokens and logits against the model's rotation at 4K / 64K, then ncu of
@@ -448,7 +394,7 @@ mergecuts)
     | tee "$OUT/step65536_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|merge4|mergecuts|loop|tiles4|bounds|costs|phases|rope|rope_e2e|online|called|online_e2e|ropetable" >&2
+  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|merge4|mergecuts|loop|tiles4|bounds|costs|phases|rope|rope_e2e|ropetable" >&2
   exit 2
   ;;
 esac

@@ -52,13 +52,7 @@ from tests import nvrtc  # noqa: E402
 from ab_kernel_revisions import load_baseline
 from ncu_source_stalls import tile_loop
 from bench_kernels import decode_inputs
-from profile_partial_kernel import (
-    MERGE_PHASES,
-    ONE_MERGE_STAMPS,
-    STAMP_NAMES,
-    merge_kind,
-    stamped_source,
-)
+from profile_partial_kernel import MERGE_PHASES, ONE_MERGE_STAMPS, STAMP_NAMES, stamped_source
 from veloxquant.kernels import dtype_name
 from veloxquant.methods.vecinfer import kernels as current
 
@@ -195,16 +189,11 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
     loop_code = _sass_code(sass)
     print(f"{tag}: {kernels.__file__}, one launch" + (", rotating (rope_in)" if rope_in else ""))
     print(f"  {used}")
-    if getattr(kernels, "COMBINE_CALLED", False):  # the stamps would sit in another function
-        print(f"  {loop_code[-1][0] + 16} bytes of SASS; the merge a called function (not stamped)")
-        tile_loop_report(loop_code, 32 * a["r"])
-        return
     stamped = one_launch_stamped(src)
     tu = stamped.cuda_translation_unit(inputs, [*outputs, "uint32", "uint32"])
     sass = compile_and_read(tu, work, tag.replace(" ", "_"))[1]
     code = _sass_code(sass)
-    merge = merge_kind(stamped.body)
-    stamps = one_launch_stamp_addresses(sass, merge)
+    stamps = one_launch_stamp_addresses(sass)
     runs, run = [], [0, 0]  # global loads between two branches: [all, 128-bit]
     for at, ins in code:
         if not stamps[1] <= at < stamps[2]:
@@ -219,7 +208,7 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
           f"{stamps[2] - stamps[1]} bytes; its longest runs of global loads between two branches: "
           + ", ".join(f"{n} ({w} of 128 bits)" for n, w in runs))  # fmt: skip
     print("  the merge's phases (timeline-one's names), bytes: " + ", ".join(
-        f"{name} {stamps[b] - stamps[a]}" for name, a, b in MERGE_PHASES[merge]))  # fmt: skip
+        f"{name} {stamps[b] - stamps[a]}" for name, a, b in MERGE_PHASES))  # fmt: skip
     tile_loop_report(loop_code, 32 * a["r"])
 
 
@@ -231,11 +220,10 @@ def _sass_code(sass: str) -> list[tuple[int, str]]:
     ]
 
 
-def one_launch_stamp_addresses(sass: str, merge: str) -> dict[int, int]:
-    """{stamp slot: code address} of the one-launch kernel's timeline-one stamps, its merge
-    `merge` (merge_kind)."""
+def one_launch_stamp_addresses(sass: str) -> dict[int, int]:
+    """{stamp slot: code address} of the one-launch kernel's timeline-one stamps."""
     found = {slot: at for at, slot in stamp_slots(sass)}
-    want = {0, 1, 2, 3, *(k for _, k in ONE_MERGE_STAMPS[merge])}
+    want = {0, 1, 2, 3, *(k for _, k in ONE_MERGE_STAMPS)}
     if set(found) != want:
         raise SystemExit(
             f"expected timeline-one's stamps {sorted(want)} in the SASS, found {found}"

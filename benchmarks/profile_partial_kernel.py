@@ -357,53 +357,28 @@ def timeline(args) -> None:
 # the last threadgroup per KV head; 2: after that threadgroup's merge; 3: the end (after the
 # exact threadgroup's encode); 4: a coded threadgroup's tile loop starts (its setup done: the
 # codebook copies, q~ and the phase coefficients; 0 in the exact threadgroups, which have none).
-# Then the merge's own phases (ONE_MERGE_STAMPS; 5 in every group, the rest in the merging one
-# only), by merge: _COMBINE_HEADS's ("heads"): 5: the count read (fence, count, barrier); 6: the
-# first chunk's maxima and sums loaded; 7: the heads' largest maxima known, the exact part's rows
-# in flight; 8: the splits' output rows summed. _COMBINE_ONLINE's ("online"): 5 as there; 6: the
-# exact part's loads issued; 8: the splits' rows summed.
+# Then the merge's own phases (ONE_MERGE_STAMPS; 5 in every group, 6-8 in the merging one only):
+# 5: the count read (fence, count, barrier); 6: the first chunk's maxima and sums loaded; 7: the
+# heads' largest maxima known, the exact part's rows in flight; 8: the splits' output rows summed.
 ONE_STAMPS = (
     ("  VQ_SHARED int s_last;\n", 1),
     ("  if (split == n_splits && iparams[EP] > 0) {", 2),
 )
 ONE_LOOP_STAMP = ("    for (int tile = t_begin; tile < t_end; tile += TT) {\n", 4)
-_COUNT_READ = ("  VQ_TG float* s_tail = reinterpret_cast<VQ_TG float*>(s_big);\n", 5)
-ONE_MERGE_STAMPS = {
-    "heads": (
-        _COUNT_READ,
-        ("  // each head's largest max:", 6),
-        ("  for (int c0 = 0; c0 < n_splits; c0 += ", 7),
-        ("    // each head's sum, by one SIMD group", 8),
-    ),
-    "online": (
-        _COUNT_READ,
-        ("  for (int c0 = 0; c0 < n_splits; c0 += ", 6),
-        ("  // the splits summed: the value Hadamard and the output", 8),
-    ),
-}
+ONE_MERGE_STAMPS = (
+    ("  VQ_TG float* s_tail = reinterpret_cast<VQ_TG float*>(s_big);\n", 5),
+    ("  // each head's largest max:", 6),
+    ("  for (int c0 = 0; c0 < n_splits; c0 += ", 7),
+    ("    // each head's sum, by one SIMD group", 8),
+)
 NSTAMP1 = 9
-MERGE_PHASES = {  # (name, stamp from, stamp to) of the merging group
-    "heads": (
-        ("fence and count", 1, 5),
-        ("maxima and sums loaded", 5, 6),
-        ("largest maxima", 6, 7),
-        ("weights, rows summed", 7, 8),
-        ("sums, Hadamard, output", 8, 2),
-    ),
-    "online": (
-        ("fence and count", 1, 5),
-        ("exact part issued", 5, 6),
-        ("rows summed", 6, 8),
-        ("Hadamard, output", 8, 2),
-    ),
-}
-
-
-def merge_kind(body: str) -> str:
-    """Which merge the one-launch source `body` has: "online" or "heads" (ONE_MERGE_STAMPS)."""
-    return "online" if "// the splits summed: the value Hadamard" in body else "heads"
-
-
+MERGE_PHASES = (  # (name, stamp from, stamp to) of the merging group
+    ("fence and count", 1, 5),
+    ("maxima and sums loaded", 5, 6),
+    ("largest maxima", 6, 7),
+    ("weights, rows summed", 7, 8),
+    ("sums, Hadamard, output", 8, 2),
+)
 _ONE_STAMP_MACRO = r"""
 #define VQ_STAMP1(k) if (vq_tid == 0) { \
   unsigned long long gt_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt_)); \
@@ -419,7 +394,7 @@ def one_launch_stamped(src, loop: bool = False, merge: bool = True):
     and two more outputs: `tstamp` (uint32 [group, NSTAMP1 stamps, (low, high) word of the
     globaltimer's ns]) and `smid` (uint32 per group, the SM it ran on)."""
     body = src.body
-    stamps = (*ONE_STAMPS, *ONE_MERGE_STAMPS[merge_kind(body)]) if merge else ONE_STAMPS
+    stamps = (*ONE_STAMPS, *ONE_MERGE_STAMPS) if merge else ONE_STAMPS
     for text, k in (*stamps, ONE_LOOP_STAMP) if loop else stamps:
         if body.count(text) != 1:
             raise SystemExit(f"the one-launch source no longer has exactly one {text!r}")
@@ -434,8 +409,8 @@ def one_launch_stamped(src, loop: bool = False, merge: bool = True):
     return dataclasses.replace(src, outputs=(*src.outputs, "tstamp", "smid"), body=body)
 
 
-def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int, merge: str) -> None:
-    """ts[h, group, stamp] in ns, sm[h, group]; `merge` the kernel's (merge_kind)."""
+def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int) -> None:
+    """ts[h, group, stamp] in ns, sm[h, group]."""
     t = (ts - ts[..., 0].min()) / 1e3  # us after the first group's start
     start, done, merged, end, loop = (t[..., k] for k in range(5))
     coded, exact = np.s_[:, :n_splits], np.s_[:, n_splits]
@@ -476,34 +451,26 @@ def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int, merge: str
     print(f"      merge, last group     {q(merge)}  (the last group is exact in "
           f"{int((last == n_splits).sum())} of {len(last)} heads)")  # fmt: skip
     heads = np.arange(len(last))
-    for name, a, b in MERGE_PHASES[merge]:  # the merging group's (one per KV head)
+    for name, a, b in MERGE_PHASES:  # the merging group's (one per KV head)
         print(f"        {name:<22}{q((t[..., b] - t[..., a])[heads, last])}")
     print(f"      encode, exact groups  {q((end - merged)[exact])}")
     print(f"      end                   {q(end)}")
 
 
 # timeline-one --cut: text of the one-launch source and what replaces it (timing only: "no-merge"
-# leaves the output unmerged), or such edits by merge (merge_kind)
+# leaves the output unmerged)
 ONE_CUTS = {
     # the tail's count and hand-over without the merge itself: what the merge costs on its own
     "no-merge": [("  if (s_last) {\n    VQ_DEVICE_FENCE();\n", "  if (s_last) {\n#if 0\n")]
     + [("\n    if (vq_tid == 0) const_cast", "\n#endif\n    if (vq_tid == 0) const_cast")],
     # the merge without its output-row loads (each row read as its weight): what the rows cost
-    "no-rows": {
-        "heads": [
-            (
-                "          const float4 o = vq_load_cg4(part_o + ((c0 + s) * HQ + hq0 + g) * D"
-                " + 4 * (i % (D / 4)));\n",
-                "          const float4 o = VQ_F4(w, w, w, w);\n",
-            )
-        ],
-        "online": [
-            (
-                "        o[u] = vq_load_cg4(part_o + (s * HQ + hq0 + g) * D + d0);\n",
-                "        o[u] = VQ_F4(l[u], l[u], l[u], l[u]);\n",
-            )
-        ],
-    },
+    "no-rows": [
+        (
+            "          const float4 o = vq_load_cg4(part_o + ((c0 + s) * HQ + hq0 + g) * D"
+            " + 4 * (i % (D / 4)));\n",
+            "          const float4 o = VQ_F4(w, w, w, w);\n",
+        )
+    ],
     # the merge without the value Hadamard's butterfly (in registers at head_dim 128; d39b81c's
     # in threadgroup memory, whose log2(D) barriers this cut timed, read `if (VHAD) {`)
     "no-hadamard": [
@@ -532,10 +499,7 @@ ONE_CUTS = {
 def one_launch_cut(src, cut: str | None):
     """The one-launch KernelSource `src` with ONE_CUTS[cut]'s edits (none for None), each of
     which must match its text exactly once."""
-    edits = ONE_CUTS[cut] if cut else []
-    if isinstance(edits, dict):
-        edits = edits[merge_kind(src.body)]
-    for old, new in edits:
+    for old, new in ONE_CUTS[cut] if cut else []:
         if src.body.count(old) != 1:
             raise SystemExit(f"--cut {cut}: the source no longer has exactly one {old!r}")
         src = dataclasses.replace(src, body=src.body.replace(old, new))
@@ -581,7 +545,7 @@ def timeline_one(args) -> None:
                 f"{a['groups'][1]} threadgroups, MMA {K.MMA}, {target} target, "
                 f"kernels {K.__file__}, cut {args.cut}"
             )
-            _report_one_launch(ts, sm, a["n_splits"], merge_kind(src.body))
+            _report_one_launch(ts, sm, a["n_splits"])
 
 
 def tiles(args) -> None:

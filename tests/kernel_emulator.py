@@ -199,7 +199,6 @@ _CUDA_SHIM = (
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline))
 #define __grid_constant__
 #define __launch_bounds__(...)
 #define VQ_SHARED static

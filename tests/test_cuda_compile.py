@@ -54,21 +54,6 @@ def test_vecinfer_cuda_sources_compile_under_nvrtc(changes, monkeypatch):
     _compiles(K.encode_kernel_source(lay), encode_in, [U8, U8])
 
 
-def test_the_one_launch_merge_variants_compile_under_nvrtc(monkeypatch):
-    """The merges the tree does not default to (COMBINE_ONLINE), inline and called
-    (COMBINE_CALLED: a lambda NVRTC must accept as a non-inlined call)."""
-    lay = _layout()
-    default = (K.COMBINE_ONLINE, K.COMBINE_CALLED)
-    for online, called in [(o, c) for o in (False, True) for c in (False, True)]:
-        if (online, called) == default:
-            continue  # compiled by test_vecinfer_cuda_sources_compile_under_nvrtc
-        monkeypatch.setattr(K, "COMBINE_ONLINE", online)
-        monkeypatch.setattr(K, "COMBINE_CALLED", called)
-        src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16, rope_in=True)
-        assert ("__noinline__" in src.body) is called
-        _compiles(src, ONE_IN, ONE_OUT)
-
-
 def test_the_timeline_stamps_and_cuts_still_apply_and_compile(monkeypatch):
     """benchmarks/profile_partial_kernel.py's timeline-one finds its stamps' places (the tile
     loop's start among them) and its --cut edits in the one-launch source by exact text, and a
@@ -83,20 +68,14 @@ def test_the_timeline_stamps_and_cuts_still_apply_and_compile(monkeypatch):
 
     lay = _layout()
     assert K.mma_takes(lay)
+    src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16)
     outs = [*ONE_OUT, U32, U32]  # tstamp, smid
-    for online in (True, False):  # the online merge and _COMBINE_HEADS's
-        monkeypatch.setattr(K, "COMBINE_ONLINE", online)
-        src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16)
-        merge = ppk.merge_kind(src.body)
-        assert merge == ("online" if online else "heads")
-        # 0, 3, the loop's, ONE_STAMPS, the merge's, and the macro's own line
-        stamps = 3 + len(ppk.ONE_STAMPS) + len(ppk.ONE_MERGE_STAMPS[merge]) + 1
-        for cut in [None, *ppk.ONE_CUTS]:
-            cut_src = ppk.one_launch_cut(src, cut)  # SystemExit where a cut no longer matches
-            assert cut is None or cut_src.body != src.body
-            stamped = ppk.one_launch_stamped(cut_src, loop=True)
-            assert stamped.body.count("VQ_STAMP1(") == stamps
-            _compiles(stamped, ONE_IN, outs)
+    for cut in [None, *ppk.ONE_CUTS]:
+        cut_src = ppk.one_launch_cut(src, cut)  # SystemExit where a cut no longer matches
+        assert cut is None or cut_src.body != src.body
+        stamped = ppk.one_launch_stamped(cut_src, loop=True)
+        assert stamped.body.count("VQ_STAMP1(") == ppk.NSTAMP1 + 1  # and the macro's own line
+        _compiles(stamped, ONE_IN, outs)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])

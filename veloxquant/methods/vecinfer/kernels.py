@@ -1562,36 +1562,6 @@ _COMBINE_HEADS = (
 )
 COMBINE_CHUNK = 128  # CCH: splits whose weights are read at once
 COMBINE_LOADS = 8  # output-row loads in flight per thread (the split loop's unroll x heads)
-# The value Hadamard's butterfly on float4 item i of the merge's rows in x, in registers (C4HAD):
-# item i is dims 4 j..4 j + 3 of one head, j = i % (D / 4), and a head's D / 4 items are lanes of
-# one SIMD group, so the levels past the item's own two are shuffles with lane j ^ m. Every
-# thread of the SIMD group takes part in the shuffles.
-_REGISTER_HADAMARD = """      // the value Hadamard's butterfly in registers (_REGISTER_HADAMARD)
-      const int j = i % (D / 4);
-      float t = x.x;
-      x.x = t + x.y;
-      x.y = t - x.y;
-      t = x.z;
-      x.z = t + x.w;
-      x.w = t - x.w;
-      t = x.x;
-      x.x = t + x.z;
-      x.z = t - x.z;
-      t = x.y;
-      x.y = t + x.w;
-      x.w = t - x.w;
-      VQ_UNROLL
-      for (int m = 1; m < D / 4; m <<= 1) {
-        const float ox = vq_shfl_xor(x.x, m), oy = vq_shfl_xor(x.y, m);
-        const float oz = vq_shfl_xor(x.z, m), ow = vq_shfl_xor(x.w, m);
-        const bool hi = (j & m) != 0;  // the pair's upper element: (lower) - (upper)
-        x.x = hi ? ox - x.x : x.x + ox;
-        x.y = hi ? oy - x.y : x.y + oy;
-        x.z = hi ? oz - x.z : x.z + oz;
-        x.w = hi ? ow - x.w : x.w + ow;
-      }
-"""
-
 # The one-launch merge reads its output rows as float4s, COMBINE_LOADS4 in flight per thread
 # (`_COMBINE_FLOAT4_EDITS`), where the scalar loads had 8: it was about one L2 round trip per
 # split, the kernel's tail while the other SMs idle. The same sums in the same order, so the
@@ -1641,12 +1611,36 @@ _COMBINE_FLOAT4_EDITS = (
   for (int k = 0; k < CP4; ++k) {
     const int i = (int)vq_tid + k * CNT;
     float4 x = acc4[k];
-    // the same sums in the same order as the butterfly in threadgroup memory, whose log2(D)
-    // barriers were about 1.7 us of the merge (benchmarks/results/merge-hadamard-h100.txt)
     if (VHAD && C4HAD) {
-"""
-        + _REGISTER_HADAMARD
-        + """    }
+      // the value Hadamard's butterfly in registers (C4HAD): item i is dims 4 j..4 j + 3 of
+      // one head, j = i % (D / 4), and a head's D / 4 items are lanes of one SIMD group, so
+      // the levels past the item's own two are shuffles with lane j ^ m; the same sums in the
+      // same order as the butterfly in threadgroup memory, whose log2(D) barriers were about
+      // 1.7 us of the merge, the kernel's tail (benchmarks/results/merge-hadamard-h100.txt)
+      const int j = i % (D / 4);
+      float t = x.x;
+      x.x = t + x.y;
+      x.y = t - x.y;
+      t = x.z;
+      x.z = t + x.w;
+      x.w = t - x.w;
+      t = x.x;
+      x.x = t + x.z;
+      x.z = t - x.z;
+      t = x.y;
+      x.y = t + x.w;
+      x.w = t - x.w;
+      VQ_UNROLL
+      for (int m = 1; m < D / 4; m <<= 1) {
+        const float ox = vq_shfl_xor(x.x, m), oy = vq_shfl_xor(x.y, m);
+        const float oz = vq_shfl_xor(x.z, m), ow = vq_shfl_xor(x.w, m);
+        const bool hi = (j & m) != 0;  // the pair's upper element: (lower) - (upper)
+        x.x = hi ? ox - x.x : x.x + ox;
+        x.y = hi ? oy - x.y : x.y + oy;
+        x.z = hi ? oz - x.z : x.z + oz;
+        x.w = hi ? ow - x.w : x.w + ow;
+      }
+    }
     if (C4ALL || i < CNH * (D / 4)) {
       VQ_TG float* row = s_ch + (i / (D / 4)) * D + 4 * (i % (D / 4));
       row[0] = x.x;
@@ -1659,124 +1653,6 @@ _COMBINE_FLOAT4_EDITS = (
 )
 
 
-# The one-launch merge with neither threadgroup memory nor barriers (COMBINE_ONLINE): thread
-# vq_tid takes the float4 items vq_tid, vq_tid + CNT, ... of the rows, as the float4 merge does,
-# and keeps each item's own running max and sum over the splits, C4U splits at a time. A
-# chunk's maxima, sums and rows are loaded at once; then the chunk's largest max rescales what
-# came before. The float4 merge waits for each head's largest max first: a round to L2 for the
-# maxima, then four barriers before its row loads. A head's items read the same maxima in the
-# same order, so they agree on every scale, and the value Hadamard runs in registers as there.
-# Loads past the last split read the last split again (an index clamped, not a branch: see
-# _COMBINE_FLOAT4_EDITS) and weigh 0. Off until a GPU times it: its outputs match the float4
-# merge's to float32 rounding in the emulator, but inline, NVRTC (sm_90a) puts the tile loop at
-# 1251 instructions a tile against 1220 with the float4 merge (registers moved), which could cost
-# more than the merge saves; called (COMBINE_CALLED), at 1210
-# (benchmarks/results/merge-online-cpu.txt; `bash benchmarks/h200_mma.sh online|called` times them).
-COMBINE_ONLINE = False
-_COMBINE_ONLINE = (
-    """
-  {
-  const int hq0 = COMBINE_FIRST;
-  const int h = hq0 / G;
-  float4 acc4[CP4], of[CP4];
-  float mrun[CP4], lrun[CP4], mf[CP4], lf[CP4], vsm[CP4][4], vmn[CP4][4];
-  // the exact threadgroup's part and the items' value scales and means, in flight with the
-  // first chunk's loads
-  VQ_UNROLL
-  for (int k = 0; k < CP4; ++k) {
-    const int i = min((int)vq_tid + k * CNT, CNH * (D / 4) - 1);
-    const int g = i / (D / 4), d0 = 4 * (i % (D / 4));
-    acc4[k] = VQ_F4(0.0f, 0.0f, 0.0f, 0.0f);
-    mrun[k] = NEG;
-    lrun[k] = 0.0f;
-    mf[k] = vq_load_cg(part_m + n_splits * HQ + hq0 + g);
-    lf[k] = vq_load_cg(part_l + n_splits * HQ + hq0 + g);
-    of[k] = vq_load_cg4(part_o + (n_splits * HQ + hq0 + g) * D + d0);
-    VQ_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      vsm[k][e] = VSMOOTH ? static_cast<float>(value_smooth[h * D + d0 + e]) : 1.0f;
-      vmn[k][e] = VMEAN ? static_cast<float>(value_mean[h * D + d0 + e]) : 0.0f;
-    }
-  }
-  for (int c0 = 0; c0 < n_splits; c0 += C4U) {
-    VQ_UNROLL
-    for (int k = 0; k < CP4; ++k) {
-      const int i = min((int)vq_tid + k * CNT, CNH * (D / 4) - 1);
-      const int g = i / (D / 4), d0 = 4 * (i % (D / 4));
-      float m[C4U], l[C4U];
-      float4 o[C4U];
-      VQ_UNROLL
-      for (int u = 0; u < C4U; ++u) {
-        const int s = min(c0 + u, n_splits - 1);
-        m[u] = vq_load_cg(part_m + s * HQ + hq0 + g);
-        l[u] = vq_load_cg(part_l + s * HQ + hq0 + g);
-        o[u] = vq_load_cg4(part_o + (s * HQ + hq0 + g) * D + d0);
-      }
-      float mc = mrun[k];
-      VQ_UNROLL
-      for (int u = 0; u < C4U; ++u) {
-        m[u] = c0 + u < n_splits ? m[u] : NEG;
-        mc = VQ_FMAX(mc, m[u]);
-      }
-      const float a = vq_exp2(mrun[k] - mc);
-      float4 x = acc4[k];
-      float lx = lrun[k] * a;
-      x.x *= a;
-      x.y *= a;
-      x.z *= a;
-      x.w *= a;
-      VQ_UNROLL
-      for (int u = 0; u < C4U; ++u) {
-        const float w = vq_exp2(m[u] - mc);
-        x.x += w * o[u].x;
-        x.y += w * o[u].y;
-        x.z += w * o[u].z;
-        x.w += w * o[u].w;
-        lx += w * l[u];
-      }
-      acc4[k] = x;
-      lrun[k] = lx;
-      mrun[k] = mc;
-    }
-  }
-  // the splits summed: the value Hadamard and the output
-  VQ_UNROLL
-  for (int k = 0; k < CP4; ++k) {
-    const int i = (int)vq_tid + k * CNT;
-    float4 x = acc4[k];
-    if (VHAD && C4HAD) {
-"""
-    + _REGISTER_HADAMARD
-    + """    }
-    if (C4ALL || i < CNH * (D / 4)) {
-      const int g = i / (D / 4), d0 = 4 * (i % (D / 4));
-      const float mm = VQ_FMAX(mrun[k], mf[k]);
-      const float sc = vq_exp2(mrun[k] - mm), wf = vq_exp2(mf[k] - mm);
-      const float den = lrun[k] * sc + wf * lf[k];
-      const float xs[4] = {x.x, x.y, x.z, x.w};
-      const float os[4] = {of[k].x, of[k].y, of[k].z, of[k].w};
-      VQ_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        float v = xs[e] * (VHAD ? INV_SQRT_D : 1.0f);
-        if (VSMOOTH) v *= vsm[k][e];
-        if (VMEAN) v += vmn[k][e] * lrun[k];
-        out[(hq0 + g) * D + d0 + e] = static_cast<OUT_T>((v * sc + wf * os[e]) / den);
-      }
-    }
-  }
-  }
-"""
-)
-
-
-# The one-launch merge as a function NVRTC does not inline: a lambda, capturing by value, called
-# where the merge was. NVRTC allocates the registers of the whole kernel at once, so the merge's
-# code moved the tile loop's (the bulk of a split): without stamps, the loop is 1220 instructions
-# a tile with the float4 merge, 1251 with the online merge inline and 1210 with it called
-# (benchmarks/results/merge-online-cpu.txt). Off until a GPU times it.
-COMBINE_CALLED = False
-
-
 def combine_floats(heads: int, head_dim: int, threads: int | None = None) -> int:
     """Floats of the combine's threadgroup array for `heads` query heads merged by `threads`
     threads (default head_dim)."""
@@ -1786,26 +1662,23 @@ def combine_floats(heads: int, head_dim: int, threads: int | None = None) -> int
 
 
 def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scratch: str) -> str:
-    """The one-launch merge (_COMBINE_ONLINE, else _COMBINE_HEADS) of `heads` query heads from
-    the expression `first` by `threads` threads (the latter in the threadgroup array `scratch`),
-    its sizes written in as literals."""
+    """_COMBINE_HEADS for `heads` query heads from the expression `first` merged by `threads`
+    threads in the threadgroup array `scratch`, its sizes written in as literals."""
     per_slot = -(-heads // (threads // head_dim))
     sizes = {"CNH": heads, "CNT": threads, "CCH": COMBINE_CHUNK, "CPS": per_slot}
     sizes["CWH"] = max(1, threads // 32 // heads)  # SIMD groups per head for the maxima
     # about COMBINE_LOADS output-row loads in flight per thread: more raised the one-launch
     # kernel's registers above the partial's, which set them otherwise
     sizes["CUN"] = max(1, COMBINE_LOADS // per_slot)
-    # the value Hadamard in registers needs a head's float4 items within one SIMD group
-    in_registers = head_dim % 4 == 0 and 32 % (head_dim // 4) == 0 and threads % 32 == 0
-    online = COMBINE_ONLINE and in_registers
-    sizes["C4HAD"] = "true" if (COMBINE_FLOAT4 or online) and in_registers else "false"
-    body = _COMBINE_ONLINE if online else _COMBINE_HEADS
-    if COMBINE_FLOAT4 and not online:
+    # the float4 merge's value Hadamard in registers: a head's items within one SIMD group
+    whole = COMBINE_FLOAT4 and head_dim % 4 == 0 and 32 % (head_dim // 4) == 0
+    sizes["C4HAD"] = "true" if whole and threads % 32 == 0 else "false"
+    body = _COMBINE_HEADS
+    if COMBINE_FLOAT4:
         for old, new in _COMBINE_FLOAT4_EDITS:
             if body.count(old) != 1:
                 raise RuntimeError(f"_COMBINE_FLOAT4_EDITS no longer fit _COMBINE_HEADS: {old!r}")
             body = body.replace(old, new)
-    if COMBINE_FLOAT4 or online:
         per_thread4 = -(-heads * head_dim // 4 // threads)  # CP4
         sizes["CP4"], sizes["C4U"] = per_thread4, max(1, COMBINE_LOADS4 // per_thread4)
         sizes["C4ALL"] = "true" if per_thread4 * threads == heads * head_dim // 4 else "false"
@@ -2535,8 +2408,7 @@ def one_launch_kernel_source(
     if rope_in and not lay.center:
         raise ValueError("rope_in needs a layout with the key mean (a cache with the RoPE)")
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK, mma)
-    key += (COMBINE_FLOAT4, COMBINE_ONLINE, COMBINE_CALLED, COMBINE_LOADS, COMBINE_LOADS4)
-    key += (KEY_ROWS_AHEAD,)
+    key += (COMBINE_FLOAT4, COMBINE_LOADS, COMBINE_LOADS4, KEY_ROWS_AHEAD)
     key += (MMA_MIN_THREADGROUPS, rope_in)
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
@@ -2546,8 +2418,6 @@ def one_launch_kernel_source(
             partial = replace(partial, body=body, constants=constants, helpers=helpers)
             partial = replace(partial, min_threadgroups=MMA_MIN_THREADGROUPS)
         combine = _combine_statements("h * G", lay.group, TILE, lay.head_dim, "s_tail")
-        if COMBINE_CALLED:
-            combine = "    [=]() __noinline__ {\n" + combine + "\n    }();\n"
         encode = _encode_statements("0", "(int)vq_gy", in_place=True)
         encode = re.sub(r"\bk_in\b", "win_k", re.sub(r"\bv_in\b", "win_v", encode))
         tail = _ONE_LAUNCH_TAIL.replace("COMBINE", combine).replace("ENCODE", encode)
@@ -3103,9 +2973,9 @@ def _step_kind(
         None if sk is None else (sk.dtype, cache.sink_values.dtype),
         None if win is None else (win[0].dtype, win[1].dtype),
         nk.dtype, nv.dtype, None if last is None else last.dtype,
-        MMA, TILE, COMBINE_CHUNK, COMBINE_FLOAT4, COMBINE_ONLINE, COMBINE_CALLED, COMBINE_LOADS,
-        COMBINE_LOADS4, KEY_ROWS_AHEAD, WRITE_IN_PLACE, ONE_LAUNCH, ROPE_IN_KERNEL,
-        THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES, MMA_MIN_THREADGROUPS,
+        MMA, TILE, COMBINE_CHUNK, COMBINE_FLOAT4, COMBINE_LOADS, COMBINE_LOADS4, KEY_ROWS_AHEAD,
+        WRITE_IN_PLACE, ONE_LAUNCH, ROPE_IN_KERNEL, THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES,
+        MMA_MIN_THREADGROUPS,
     )  # fmt: skip
     memo = cache.__dict__.setdefault("_kernel_memo", {})
     step = memo.get(key)
