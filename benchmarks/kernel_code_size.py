@@ -19,10 +19,11 @@ loop's instructions once per tile took longer than its arithmetic on the H200
 `--one-launch` reports the one-launch kernel instead (the decode steps' kernel on CUDA), with
 `profile_partial_kernel.py timeline-one`'s stamps: the bytes of its merge (and of each phase of
 it that timeline-one times) and the runs of global loads between two branches there, which
-bound the loads a thread has in flight, and the instructions each SIMD group issues per tile
-of the coded tokens' loop, by kind (their count times the cycles per issue is the split's time,
-benchmarks/results/mma-tile-loop-sass-cpu.md) (`--constants COMBINE_FLOAT4=0` and the like set
-this tree's kernels module first).
+bound the loads a thread has in flight; then, in the kernel as MLX runs it (the stamps move the
+register allocation), the registers and the instructions each SIMD group issues per tile of the
+coded tokens' loop, by kind (their count times the cycles per issue is the split's time,
+benchmarks/results/mma-tile-loop-sass-cpu.md; counts before 2026-12-07 were of the stamped
+copy) (`--constants COMBINE_FLOAT4=0` and the like set this tree's kernels module first).
 
 Needs cuobjdump (and for `--nvcc`, nvcc) on PATH or in $CUDA_HOME/bin; the `nvidia-cuda-cuobjdump`
 wheel has one, and cuobjdump -sass runs nvdisasm (`pip install nvidia-cuda-cuobjdump
