@@ -186,7 +186,9 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
     outputs = ["float32", dtype_name(qs[0].dtype)]
     # the stamps move the register allocation (the tile loop by up to 2%), so the kernel as MLX
     # runs it gives the registers and the loop, and the stamped one the merge's bytes
-    used, sass = compile_and_read(src.cuda_translation_unit(inputs, outputs), work, "unstamped")
+    used, sass = compile_and_read(
+        src.cuda_translation_unit(inputs, outputs), work, tag.replace(" ", "_") + "_unstamped"
+    )
     loop_code = _sass_code(sass)
     print(f"{tag}: {kernels.__file__}, one launch" + (", rotating (rope_in)" if rope_in else ""))
     print(f"  {used}")
