@@ -3,12 +3,13 @@ modules tapped, `veloxquant.rope.RopeTap`) against the model's own rotation, on 
 random-weight model with caches of the default calibrated layout (`default_layout_caches`:
 keys coded around a RoPE-rotated mean, so the caches know the model's RoPE), and copies of
 them, decoded step for step from the same greedy tokens (the copies' with the model's
-rotation). Prints, per context, how many of the steps' greedy tokens agree, the largest logit
-difference relative to the largest logit, and who rotated (`last_rope`: the kernel for the
-tapped caches, the model for the copies) and whether the caches' steps were deferred (the rope
-ops not built at all; `--no-defer` builds them, `veloxquant.rope.DEFER`). The weights are
-seeded, so two runs decode the same tokens. ncu counts the launches a step saves
-(`h200_mma.sh rope`).
+rotation). Prints, per context, how many of the steps' greedy tokens agree and at how many the
+logits are the same bit for bit (the kernel rounds its rotation where MLX's rope kernel does,
+`vq_rope_in`), the largest logit difference relative to the largest logit, and who rotated
+(`last_rope`: the kernel for the tapped caches, the model for the copies) and whether the
+caches' steps were deferred (the rope ops not built at all; `--no-defer` builds them,
+`veloxquant.rope.DEFER`). The weights are seeded, so two runs decode the same tokens. ncu
+counts the launches a step saves (`h200_mma.sh rope`).
 
     python benchmarks/check_rope_in_kernel.py --random-weights benchmarks/configs/llama3-8b.json \
         --contexts 4096 65536 --steps 32 [--no-defer]
@@ -32,7 +33,7 @@ def compare(model, context: int, steps: int) -> None:
     caches = default_layout_caches(model, context)  # taps the model's rope modules
     copies = [copy.copy(c) for c in caches]
     token = mx.array([[42]])
-    agree, worst, rotated_by = 0, 0.0, set()
+    agree, same, worst, rotated_by = 0, 0, 0.0, set()
     for _ in range(steps):
         K.ROPE_IN_KERNEL = True
         got = model(token, cache=caches)[:, -1].astype(mx.float32)
@@ -43,9 +44,11 @@ def compare(model, context: int, steps: int) -> None:
         rotated_by |= {(c.last_rope, t.last_rope) for c, t in zip(caches, copies, strict=True)}
         worst = max(worst, (mx.abs(got - want).max() / mx.abs(want).max()).item())
         agree += int(mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1)).item())
+        same += int(mx.array_equal(got, want).item())
         token = mx.argmax(want, axis=-1)[:, None]
     print(
-        f"context {context}: greedy tokens agree at {agree} of {steps} steps; largest logit "
+        f"context {context}: greedy tokens agree at {agree} of {steps} steps, logits identical at "
+        f"{same}; largest logit "
         f"difference / largest logit {worst:.2e}; rotated by (tapped, copies) {sorted(rotated_by)}"
         f"; deferred {sorted({type(c.offset).__name__ for c in caches})}"
     )

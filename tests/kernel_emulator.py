@@ -215,6 +215,8 @@ inline float4 make_float4(float a, float b, float c, float d) { return float4(a,
 inline void __sincosf(float x, float* s, float* c) { *s = std::sin(x); *c = std::cos(x); }
 inline void sincosf(float x, float* s, float* c) { *s = std::sin(x); *c = std::cos(x); }
 inline float exp2f(float x) { return std::exp2(x); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 inline float fminf(float a, float b) { return std::fmin(a, b); }
 template <class T>
@@ -362,6 +364,7 @@ namespace metal {
 inline float exp2(float x) { return std::exp2(x); }
 inline float fmax(float a, float b) { return std::fmax(a, b); }
 inline float fmin(float a, float b) { return std::fmin(a, b); }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 namespace precise {
 inline float sincos(float x, float& c) { c = std::cos(x); return std::sin(x); }
 }

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import re
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +31,7 @@ from tests import kernel_emulator as emu
 from veloxquant import KVCacheConfig, attention, make_cache
 from veloxquant.calibrate import calibrate
 from veloxquant.codes import unpack_codes
-from veloxquant.kernels import backend, check_metal_source
+from veloxquant.kernels import KernelSource, backend, check_metal_source
 from veloxquant.kernels import cuda_multiprocessors as driver_multiprocessors  # conftest stubs it
 from veloxquant.kernels import cuda_shared_memory as driver_shared_memory  # ... and this
 from veloxquant.methods.vecinfer import VecInferCache
@@ -548,6 +549,62 @@ def test_one_launch_rotates_the_step_s_own_query_and_key(
         row = want_ring[:, :, slot].astype(np.float32)
         step = 2**-10 * np.abs(row).max(axis=-1, keepdims=True)
         assert (np.abs(got_ring[:, :, slot].astype(np.float32) - row) <= step).all()
+
+
+_ROPE_ROWS = """
+  VQ_SHARED float s_rope[D];
+  if ((int)vq_tid < D) s_rope[vq_tid] = table[vq_tid];
+  VQ_BARRIER();
+  for (int i = (int)vq_tid; i < ROWS * D; i += D) {
+    out[i] = vq_rope_in<float, D, TRAD>(x + (i / D) * D, i % D, s_rope);
+  }
+"""
+
+
+def _round_f32(exact: Fraction) -> np.float32:
+    """`exact` rounded once to float32, to nearest, ties to even."""
+    near = np.float32(float(exact))
+    steps = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+    return min(steps, key=lambda f: (abs(Fraction(float(f)) - exact), int(f.view(np.uint32)) & 1))
+
+
+@needs_cxx
+@pytest.mark.parametrize("traditional", [False, True], ids=["halves", "traditional"])
+def test_the_kernel_s_rotation_rounds_where_mlx_s_cuda_rope_does(traditional):
+    # The one-launch kernel's rotation (vq_rope_in) must give the model's rotated rows bit for
+    # bit: MLX 0.32.4's CUDA rope kernels compute fma(x1, c, -(x2 s)) and fma(x1, s, x2 c) (their
+    # SASS), each rounded once to float32. Left to the compiler, x1 s + x2 c became
+    # fma(x2, c, x1 s) in NVRTC's code, a float32 rounding away on about a third of the
+    # elements. Float32 rows and a table of arbitrary cosines and sines show every rounding.
+    d, rows = 64, 6
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    table = rng.uniform(-1, 1, d).astype(np.float32)  # D/2 cosines, then D/2 sines
+    src = KernelSource(name="rope_probe", inputs=("x", "table"), outputs=("out",),
+                         body=_ROPE_ROWS, constants={"D": d, "ROWS": rows, "TRAD": traditional},
+                         threads=d, helpers=K._ROPE_IN_HELPER, backends=("cuda",))  # fmt: skip
+    (got,) = emu.run(src, "cuda", [x, table], (1, 1, 1), [(rows * d,)], ["float32"])
+    got = got.reshape(rows, d)
+
+    def fma(a, b, c) -> np.float32:  # a * b + c, rounded once
+        return _round_f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
+
+    want, other = np.empty_like(x), np.empty_like(x)
+    for i in range(rows):
+        for n in range(d):
+            first = n % 2 == 0 if traditional else n < d // 2
+            mate = n ^ 1 if traditional else (n + d // 2 if first else n - d // 2)
+            j = n // 2 if traditional else min(n, mate)
+            x1, x2 = (x[i, n], x[i, mate]) if first else (x[i, mate], x[i, n])
+            c, s = table[j], table[d // 2 + j]
+            if first:
+                want[i, n] = fma(x1, c, -fma(x2, s, 0))
+                other[i, n] = fma(-x2, s, fma(x1, c, 0))
+            else:
+                want[i, n] = fma(x1, s, fma(x2, c, 0))
+                other[i, n] = fma(x2, c, fma(x1, s, 0))
+    assert (other != want).mean() > 0.1  # the inputs tell the two contractions apart
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("mma", [False, True], ids=["cuda-cores", "tensor-cores"])

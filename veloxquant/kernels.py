@@ -33,6 +33,9 @@ The dialect (what a body may use besides plain C arithmetic):
                         whose threadgroups hand results to each other within one launch are
                         CUDA-only (`KernelSource.backends`).
     vq_exp2, VQ_FMAX, VQ_FMIN, VQ_SINCOS(x, s, c) (accurate), VQ_FAST_SINCOS (small angles)
+    VQ_FMA(a, b, c), VQ_MUL(a, b)  a * b + c with one rounding, and a * b, that the compiler
+                        never fuses with anything (CUDA's __fmaf_rn / __fmul_rn): for sums
+                        that must round where another kernel's compiled code rounds
     uint, uint8_t, uint32_t, half; dtype constants (e.g. Q_T) are `using` aliases.
 Both backends have 32-wide SIMD groups and at least 32 KB of threadgroup memory, which is what
 the kernels assume.
@@ -89,6 +92,8 @@ typedef unsigned int uint;
 #define VQ_FMIN(a, b) fminf((a), (b))
 #define vq_exp2(x) exp2f(x)
 #define VQ_SINCOS(x, s, c) sincosf((x), &(s), &(c))
+#define VQ_FMA(a, b, c) __fmaf_rn((a), (b), (c))
+#define VQ_MUL(a, b) __fmul_rn((a), (b))
 #define VQ_FAST_SINCOS(x, s, c) __sincosf((x), &(s), &(c))
 __device__ inline float vq_simd_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -219,6 +224,8 @@ using namespace metal;
 #define VQ_FMIN(a, b) metal::fmin((a), (b))
 #define vq_exp2(x) metal::exp2(x)
 #define VQ_SINCOS(x, s, c) (s) = metal::precise::sincos((x), (c))
+#define VQ_FMA(a, b, c) metal::fma((a), (b), (c))
+#define VQ_MUL(a, b) ((a) * (b))
 #define VQ_FAST_SINCOS(x, s, c) (s) = metal::fast::sincos((x), (c))
 inline float vq_simd_sum(float x) { return simd_sum(x); }
 inline float vq_simd_max(float x) { return simd_max(x); }

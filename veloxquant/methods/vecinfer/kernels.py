@@ -2310,7 +2310,11 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
 # Element n of the RoPE of `row` (D elements, pairs (n, n + D/2), or (2j, 2j + 1) when
 # traditional) from the cosine and sine of its pair j (`rope`: D/2 cosines, then D/2 sines), as
 # mx.fast.rope forms it: x1 c - x2 s and x1 s + x2 c in float32, and one rounding to the model's
-# dtype T (what the model's own rotation hands on). The partner element is read from memory
+# dtype T (what the model's own rotation hands on). Each sum rounds where the machine code of
+# MLX's CUDA rope kernels rounds it, fma(x1, c, -(x2 s)) and fma(x1, s, x2 c) (their SASS in
+# MLX 0.32.4's libmlx.so, sm_90a): left to contract `x1 * sn + x2 * cs` itself, NVRTC made it
+# fma(x2, c, x1 s), which rounds differently, so the rows were not the model's bit for bit
+# (rope-in-kernel-h100.txt). The partner element is read from memory
 # rather than shuffled in: the callers hold their elements in different lane layouts, and the
 # row is one cached line.
 # The table is filled once per threadgroup (`_ROPE_IN_TABLE`): an accurate sincosf at every read
@@ -2337,7 +2341,8 @@ VQ_FN float vq_rope_in(const VQ_GLOBAL X* row, int n, const VQ_TG float* rope) {
   const float x1 = static_cast<float>(row[first ? n : mate]);
   const float x2 = static_cast<float>(row[first ? mate : n]);
   const float cs = rope[j], sn = rope[D_ / 2 + j];
-  return static_cast<float>(static_cast<T>(first ? x1 * cs - x2 * sn : x1 * sn + x2 * cs));
+  return static_cast<float>(
+      static_cast<T>(first ? VQ_FMA(x1, cs, -VQ_MUL(x2, sn)) : VQ_FMA(x1, sn, VQ_MUL(x2, cs))));
 }
 #endif
 """
