@@ -33,6 +33,9 @@ With `--model-rope`, one more: `vecinfer_model_rope`, the decode step's query an
 the model's own rope launches (`kernels.ROPE_IN_KERNEL` off, the model's rope modules untapped)
 instead of inside the attention launch. The fp16 arm always runs on the untapped model.
 
+With `--waits`, each arm's decode loop once more per round with timers (`pipelined_split`):
+per token, the host's build and submission of the next step and its wait for the current one.
+
 With `--profile`, cProfile of the host graph build of a few fused steps (top functions by own
 time).
 
@@ -45,11 +48,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 
 import veloxquant.kernels  # preloads OpenBLAS before mlx (import veloxquant)
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 
 from veloxquant import attention
 from veloxquant import rope as rope_tap
@@ -66,6 +70,38 @@ def tokens_per_second(model, caches, n_tokens: int) -> float:
     t0 = time.perf_counter()
     n = sum(1 for _ in gen)
     return n / (time.perf_counter() - t0)
+
+
+def pipelined_split(model, caches, n_tokens: int) -> tuple[float, float, float]:
+    """generate_step's decode loop (greedy, on its stream) with timers, per token: the host build
+    of the next step's graph, its submission (`mx.async_eval`) and the wait for the current
+    token (`.item()`). Medians over `n_tokens` (s). A wait well above zero says the GPU set the
+    pace: the host had built and submitted step n + 1 while step n still ran. A wait near zero
+    does not say the host did: the submission itself waits while too much work is in flight
+    (fp16's reads several times its synchronous submission at 64K on an H100)."""
+
+    def step(y):
+        with mx.stream(generation_stream):
+            logits = model(y[None], cache=caches)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            return mx.argmax(logprobs, axis=-1), logprobs.squeeze(0)
+
+    y, logprobs = step(mx.array([42]))
+    mx.async_eval(y, logprobs)
+    builds, submits, waits = [], [], []
+    for _ in range(n_tokens):
+        t0 = time.perf_counter()
+        next_y, next_logprobs = step(y)
+        t1 = time.perf_counter()
+        mx.async_eval(next_y, next_logprobs)
+        t2 = time.perf_counter()
+        y.item()
+        waits.append(time.perf_counter() - t2)
+        builds.append(t1 - t0)
+        submits.append(t2 - t1)
+        y = next_y
+    y.item()
+    return statistics.median(builds), statistics.median(submits), statistics.median(waits)
 
 
 def build_and_step(model, caches, token) -> tuple[float, float, float]:
@@ -116,21 +152,26 @@ def fp16_and_fused_caches(model, n_tokens: int) -> tuple[list, list]:
     return filled_caches(model, None, n_tokens), default_layout_caches(model, n_tokens)
 
 
-def interleaved_decode(model, arms: dict, token, repeats: int, tokens: int) -> dict:
+def interleaved_decode(
+    model, arms: dict, token, repeats: int, tokens: int, waits: bool = False
+) -> dict:
     """Arms {name: (caches, select)}, where `select()` runs before each of the arm's turns (to set
     a module constant, say): one warm-up step each, then `repeats` rounds in rotating order.
     Returns {name: (tok/s, synchronous step s, host build s, host submit s)}, one value per
-    round."""
+    round; with `waits`, a fifth list of `pipelined_split`'s (build, submit, wait) per round."""
     for caches, select in arms.values():  # warm-up: compile, allocate
         select()
         build_and_step(model, caches, token)
     names = list(arms)
-    out = {n: ([], [], [], []) for n in names}
+    out = {n: ([], [], [], [], []) for n in names}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             caches, select = arms[name]
             select()
             out[name][0].append(tokens_per_second(model, caches, tokens))
+            if waits:
+                mx.synchronize()
+                out[name][4].append(pipelined_split(model, caches, tokens))
             # generate_step leaves its look-ahead step in flight: without this wait the
             # submission below queued behind it and counted part of the GPU's time
             mx.synchronize()
@@ -144,11 +185,17 @@ def interleaved_decode(model, arms: dict, token, repeats: int, tokens: int) -> d
 def print_decode(result: dict, baseline: str = "fp16") -> None:
     """interleaved_decode's result, one line per arm, then each arm's tok/s over the baseline's."""
     width = max(len(n) for n in result)
-    for name, (rates, steps, builds, submits) in result.items():
+    for name, (rates, steps, builds, submits, split) in result.items():
         print(
             f"  {name:<{width}} {fmt(rates, unit=' tok/s')}  step {fmt(steps, 1e3, ' ms')}"
             f"  host build {fmt(builds, 1e3, ' ms')}  submit {fmt(submits, 1e3, ' ms')}"
         )
+        if split:
+            b, s, w = zip(*split, strict=True)
+            print(
+                f"  {'':<{width}} pipelined, per token: build {fmt(b, 1e3, ' ms')}  submit "
+                f"{fmt(s, 1e3, ' ms')}  wait {fmt(w, 1e3, ' ms')}"
+            )
     for name, (rates, *_) in result.items():
         if name != baseline:
             ratio = [a / b for a, b in zip(rates, result[baseline][0], strict=True)]
@@ -222,6 +269,7 @@ def main() -> None:
     p.add_argument("--bounds", action="store_true", help="arms without the combine / attention")
     p.add_argument("--cuda-cores", action="store_true", help="an arm with kernels.MMA off")
     p.add_argument("--model-rope", action="store_true", help="an arm with the model's RoPE")
+    p.add_argument("--waits", action="store_true", help="each arm's pipelined_split too")
     args = p.parse_args()
 
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
@@ -253,7 +301,7 @@ def main() -> None:
         if args.bounds:
             for name, (caches, select) in bound_arms(model, ctx).items():
                 arms[name] = (caches or arms[name][0], select)
-        result = interleaved_decode(model, arms, token, args.repeats, args.tokens)
+        result = interleaved_decode(model, arms, token, args.repeats, args.tokens, args.waits)
         print(f"context {ctx}: {args.tokens} generated tokens, {args.repeats} interleaved repeats")
         print_decode(result)
         kv = {name: sum(c.nbytes for c in caches) for name, (caches, _) in arms.items()}
