@@ -42,7 +42,7 @@ __device__ inline uint2 vq_fake_entry(uint32_t x, uint2) { return make_uint2(x, 
 """
 _PHASE_LOAD = "const uint4 f = frags[(db * PC + pc) * 32 + lane];"
 _KEY_ROWS = "vq_slice<KSW, KW, KALIGN>(kw[r], krow + 8 * r * KW, kfirst, ksh);"
-_VALUE_ROWS = "vq_slice<VSW, VW, VALIGN>(vw, vrow + ((u & 1) + 8 * (u >> 1)) * VW, vfirst, vsh);"
+_VALUE_ROWS = "vq_slice<VSW, VW, VALIGN>(vw, vrow + 4 * u * VW, vfirst, vsh);"
 _KEY_GATHER = "a[2 * hf + r] = vq_lds(kbook_lane + at, 0u);"
 _SLICE_LOAD = "for (int i = 0; i < SW; ++i) out[i] = at[i];"
 

@@ -1606,6 +1606,36 @@ def test_slow_rope_pairs_go_to_the_phase_polynomial(base, head_dim):
     assert K.PHASE_TAYLOR_ANGLE ** (order + 1) / math.factorial(order + 1) <= 1.1e-6
 
 
+def test_tensor_core_token_order_gives_each_value_row_load_one_line():
+    # the tile loop's mma k index stands for token block_token(k) of a 16-token block, in the
+    # scores' rows, P's k rows and the phase operand alike; the order is what makes the value
+    # rows a SIMD group loads at once (P's k = 2 l4 + (u & 1) + 8 (u >> 1), lanes l4 = 0..3) four
+    # consecutive rows: one 128-byte line of the default layout's 32-byte rows
+    order = [K.block_token(k) for k in range(16)]
+    assert sorted(order) == list(range(16))
+    for u in range(4):
+        rows = [K.block_token(2 * l4 + (u & 1) + 8 * (u >> 1)) for l4 in range(4)]
+        assert rows == [4 * u + l4 for l4 in range(4)]
+    # the scores' rows quad and quad + 8 are the same permutation's
+    assert [K.block_token(q + 8) - K.block_token(q) for q in range(8)] == [8] * 8
+    # the phase operand's rows follow it: row quad of block 0, slot of pair 0, is that token's
+    # offset times pair 0's angle
+    import mlx.nn as nn
+
+    from veloxquant.rope import RopeSpec
+
+    rope = RopeSpec.from_module(nn.RoPE(128, base=500000.0), 128)
+    lay = _layout(head_dim=128, poly_pairs=K.poly_pairs(rope, 128))
+    frags = K.phase_fragments(rope, lay, 2).astype(np.float64)
+    phi = float(rope.scale) * K.rope_inv_freq(rope, 128)[0]
+    for quad in range(8):
+        lane = 4 * quad  # l4 = 0, slot 0 of chunk 0: pair 0
+        for row8, at in ((0, 0), (1, 2)):
+            angle = phi * K.block_token(quad + 8 * row8)
+            assert frags[0, 0, lane, at] == pytest.approx(math.cos(angle), abs=1e-3)
+            assert frags[0, 0, lane, at + 1] == pytest.approx(-math.sin(angle), abs=1e-3)
+
+
 def test_launch_constants_are_built_once():
     # every fresh array would cost each layer's launch a host-to-device copy or a fill kernel
     inv, table, _ = K._rope_arrays(None, 64)

@@ -962,6 +962,12 @@ _MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), copie
 _MMA_TILES = (
     """
     const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;
+    // mma's k index (a token of a 16-token block: A's rows of the scores, P's k rows) is token
+    // BLOCK_TOKEN(k) = 4 (k % 2 + 2 (k / 8)) + (k % 8) / 2, so that the value rows of P's
+    // k = 2 l4 + (u & 1) + 8 (u >> 1) are rows 4 u + l4: one load of the SIMD group reads 4
+    // consecutive rows, one 128-byte line, where rows 2 l4 + .. took two (`phase_fragments`
+    // permutes its rows the same way)
+    const int pq = 4 * (quad & 1) + (quad >> 1);  // BLOCK_TOKEN(quad); of quad + 8: pq + 8
     // the B fragments, the same for every SIMD group, in threadgroup memory (in registers they
     // cost 32 of them): q~ of head L / 4 (zero past G) at k rows 2 (L % 4) + {0, 1} and
     // 8 + 2 (L % 4) + {0, 1} of chunk c; the phase coefficients' buffers start at zero, so the
@@ -1067,9 +1073,9 @@ _MMA_TILES = (
     const int t_begin = split * tps;
     const int t_end = min(T, t_begin + tps);
     const int tlast = (t_end - 1) & ~15;  // the start of the block of the split's last token
-    // this lane's first key row (token quad of a block) and value row (token 2 l4), at its slice
-    const VQ_GLOBAL uint32_t* kbase = kwords + (h * cap + quad) * KW + kfirst;
-    const VQ_GLOBAL uint32_t* vbase = vwords + (h * cap + 2 * l4) * VW + vfirst;
+    // this lane's first key row (token pq of a block) and value row (token l4), at its slice
+    const VQ_GLOBAL uint32_t* kbase = kwords + (h * cap + pq) * KW + kfirst;
+    const VQ_GLOBAL uint32_t* vbase = vwords + (h * cap + l4) * VW + vfirst;
     // the key rows of the SIMD group's first block of a tile, loaded a tile ahead (KAHEAD):
     // that block's scores otherwise wait on a round trip to memory at every tile
     uint32_t kahead[2][KSW];
@@ -1104,7 +1110,7 @@ _MMA_TILES = (
         }
         VQ_BARRIER();
       }
-      // scores of this SIMD group's WB blocks of the tile: C rows tokens quad and quad + 8
+      // scores of this SIMD group's WB blocks of the tile: C rows tokens pq and pq + 8
       float sc[WB][4];
       VQ_UNROLL
       for (int k = 0; k < WB; ++k) {
@@ -1196,8 +1202,8 @@ _MMA_TILES = (
         const int tb = tile + ((int)vq_warp * WB + k) * 16;
         // masked scores sit NEG below any running max (which starts at NEG): their weights
         // are 0 with no test, even in a SIMD group with no unmasked token yet
-        if (tb + quad >= t_end) sc[k][0] = sc[k][1] = 2.0f * NEG;
-        if (tb + quad + 8 >= t_end) sc[k][2] = sc[k][3] = 2.0f * NEG;
+        if (tb + pq >= t_end) sc[k][0] = sc[k][1] = 2.0f * NEG;
+        if (tb + pq + 8 >= t_end) sc[k][2] = sc[k][3] = 2.0f * NEG;
       }
       // the online softmax over the SIMD group's blocks: lanes of one l4 hold the same heads
       float mnew[2];
@@ -1219,7 +1225,7 @@ _MMA_TILES = (
           acc[b][e + 2] *= al;
         }
       }
-      // P as B fragments (k rows tokens 2 l4 + {0, 1} and 8 + 2 l4 + {0, 1}, head quad), then
+      // P as B fragments (k rows 2 l4 + {0, 1} and 8 + 2 l4 + {0, 1}, head quad), then
       // O^T += V^T P per block
       VQ_UNROLL
       for (int k = 0; k < WB; ++k) {
@@ -1233,11 +1239,12 @@ _MMA_TILES = (
                                 vq_movmatrix_trans(vq_pack_half2(p[2], p[3]))};
         const int tb = tile + ((int)vq_warp * WB + k) * 16;
         const VQ_GLOBAL uint32_t* vrow = vbase + min(tb, tlast) * VW;
-        VEWT ve[4][VSUB];  // tokens 2 l4 + {0, 1}, 8 + 2 l4 + {0, 1}: this lane's sub-spaces
+        // k rows 2 l4 + {0, 1}, 8 + 2 l4 + {0, 1} (tokens 4 u + l4): this lane's sub-spaces
+        VEWT ve[4][VSUB];
         VQ_UNROLL
         for (int u = 0; u < 4; ++u) {
           uint32_t vw[VSW];
-          vq_slice<VSW, VW, VALIGN>(vw, vrow + ((u & 1) + 8 * (u >> 1)) * VW, vfirst, vsh);
+          vq_slice<VSW, VW, VALIGN>(vw, vrow + 4 * u * VW, vfirst, vsh);
           VQ_UNROLL
           for (int s = 0; s < VSUB; ++s) {
             ve[u][s] = vq_lds(vbook_lane + vq_bits_at(vw, s * VB, VB, VLG), VEWT());
@@ -2747,14 +2754,20 @@ def _rope_arrays(
     return inv, table, scale
 
 
+def block_token(k: np.ndarray | int) -> np.ndarray | int:
+    """The token of a 16-token block that the tensor-core tile loop's mma k index (A's row of
+    the scores, P's k row) stands for: 4·(k % 2 + 2·(k // 8)) + (k % 8) // 2 (`_MMA_TILES`)."""
+    return 4 * (k % 2 + 2 * (k // 8)) + (k % 8) // 2
+
+
 def phase_fragments(rope: RopeSpec, lay: Layout, r: int) -> np.ndarray:
     """The tensor-core path's phase operand (`_MMA_TILES`), f16 [TILE·r / 16, PC, 32, 8]: for
     block db of a tile, chunk c and lane L (quad = L / 4, l4 = L % 4), mma's A fragment
     a0..a3 = rows (quad, slot 8c + 2·l4), (quad + 8, that slot), (quad, slot + 1), (quad + 8,
     slot + 1). A slot of pair j (`phase_slot_pairs`) holds (cos, -sin) of the row's token
-    offset 16·db + row times scale·θ_j; the polynomial chunk's even slot 2·l4 holds the powers
-    (x^2l4, x^2l4+1) of x = offset / (TILE·r); other slots are zero. Built once per RoPE, layout
-    and r, shared by every layer's pack."""
+    offset 16·db + block_token(row) times scale·θ_j; the polynomial chunk's even slot 2·l4
+    holds the powers (x^2l4, x^2l4+1) of x = offset / (TILE·r); other slots are zero. Built once
+    per RoPE, layout and r, shared by every layer's pack."""
     key = ("frags", lay, r, tuple(sorted(rope.meta().items())), id(rope.freqs))
     if key not in _CONSTS:
         _, full, chunks, _ = _phase_plan(lay)
@@ -2765,7 +2778,7 @@ def phase_fragments(rope: RopeSpec, lay: Layout, r: int) -> np.ndarray:
         )
         out = np.zeros((*db.shape, 8))
         for slot, (row8, hf) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
-            offset = 16 * db + lane // 4 + 8 * row8
+            offset = 16 * db + block_token(lane // 4 + 8 * row8)
             j = pair[8 * c + 2 * (lane % 4) + hf]
             angle = offset * phi[np.maximum(j, 0)]
             out[..., 2 * slot] = np.where(j >= 0, np.cos(angle), 0.0)
