@@ -89,9 +89,10 @@ ARMS: dict[str, list[tuple[str, str]]] = {
 }
 
 
-def arm_source(name: str, text: str) -> str:
-    """This tree's kernels.py with arm `name`'s replacements; each must match exactly once."""
-    for old, new in ARMS[name]:
+def arm_source(name: str, text: str, arms: dict | None = None) -> str:
+    """This tree's kernels.py with arm `name`'s replacements (of `arms`, default ARMS); each
+    must match exactly once."""
+    for old, new in (ARMS if arms is None else arms)[name]:
         if text.count(old) != 1:
             found = text.count(old)
             raise SystemExit(f"arm {name}: {old!r} is in kernels.py {found} times, not once")
@@ -99,12 +100,13 @@ def arm_source(name: str, text: str) -> str:
     return text
 
 
-def write_arms(out: Path) -> dict[str, Path]:
+def write_arms(out: Path, arms: dict | None = None) -> dict[str, Path]:
+    arms = ARMS if arms is None else arms
     text = KERNELS.read_text()
     paths = {}
-    for name in ARMS:
+    for name in arms:
         paths[name] = out / f"{name}_kernels.py"
-        paths[name].write_text(arm_source(name, text))
+        paths[name].write_text(arm_source(name, text, arms))
     return paths
 
 
