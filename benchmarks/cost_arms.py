@@ -89,10 +89,9 @@ ARMS: dict[str, list[tuple[str, str]]] = {
 }
 
 
-def arm_source(name: str, text: str, arms: dict | None = None) -> str:
-    """This tree's kernels.py with arm `name`'s replacements (of `arms`, default ARMS); each
-    must match exactly once."""
-    for old, new in (ARMS if arms is None else arms)[name]:
+def arm_source(name: str, text: str) -> str:
+    """This tree's kernels.py with arm `name`'s replacements; each must match exactly once."""
+    for old, new in ARMS[name]:
         if text.count(old) != 1:
             found = text.count(old)
             raise SystemExit(f"arm {name}: {old!r} is in kernels.py {found} times, not once")
@@ -100,13 +99,12 @@ def arm_source(name: str, text: str, arms: dict | None = None) -> str:
     return text
 
 
-def write_arms(out: Path, arms: dict | None = None) -> dict[str, Path]:
-    arms = ARMS if arms is None else arms
+def write_arms(out: Path) -> dict[str, Path]:
     text = KERNELS.read_text()
     paths = {}
-    for name in arms:
+    for name in ARMS:
         paths[name] = out / f"{name}_kernels.py"
-        paths[name].write_text(arm_source(name, text, arms))
+        paths[name].write_text(arm_source(name, text))
     return paths
 
 

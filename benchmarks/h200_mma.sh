@@ -53,10 +53,6 @@
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
 #                                       # wrong outputs but one arm), then ncu's full sections and
 #                                       # per-instruction counters of this tree's kernel at 64K
-#   bash benchmarks/h200_mma.sh next    # the correct variants built but not yet timed
-#                                       # (benchmarks/next_arms.py): each against this tree,
-#                                       # outputs after whole cache steps at 16K, then ncu inside
-#                                       # real decode steps at 64K and 128K
 #   bash benchmarks/h200_mma.sh tail    # the one-launch kernel's threadgroups timed from inside
 #                                       # (when each SM is busy), as is and with two waves; then
 #                                       # ncu inside real decode steps at 64K and 16K, this tree
@@ -338,19 +334,6 @@ ropetable)
   for a in ${ARMS:-}; do arms+=(--baseline "$a"); done
   for ctx in ${NCU_CONTEXTS:-65536 131072}; do
     ncu_arms "$ctx" 240 | head -60
-  done
-  ;;
-next)
-  specs=$(python benchmarks/next_arms.py /tmp) || exit 2
-  arms=()
-  for spec in $specs; do
-    arms+=(--baseline "$spec")
-    echo "== ${spec%%=*}: this tree against it, outputs after whole cache steps at 16K"
-    timeout 150 python benchmarks/ab_kernel_revisions.py --baseline "${spec#*=}" --steps \
-      --contexts 16384 --repeats 2 2>&1 | grep -E "^context"
-  done
-  for ctx in 65536 131072; do
-    ncu_arms "$ctx" 240 | grep -E "GPU time|custom_kernel|sdpa"
   done
   ;;
 costs)

@@ -225,24 +225,6 @@ inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
 }
-// benchmarks/next_arms.py's givenmax arm: an atomic max of ordered float keys
-inline unsigned atomicMax(unsigned* p, unsigned v) {
-  unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
-  while (old < v &&
-         !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-  }
-  return old;
-}
-inline unsigned __float_as_uint(float x) {
-  unsigned u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-inline float __uint_as_float(unsigned u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
 namespace cooperative_groups {}
 // veloxquant's tensor-core helpers (`_MMA_HELPERS`) by their PTX fragment layouts (g = L / 4,
 // t = L % 4 of lane L; pairs in the low then high half of a register): mma m16n8k16 holds

@@ -146,11 +146,10 @@ def test_nvrtc_refuses_what_only_a_cuda_compiler_sees():
         assert not done.ok and "error" in done.log.lower()
 
 
-@pytest.mark.parametrize("script", ["cost_arms", "next_arms"])
-def test_the_cost_arms_still_apply_and_compile(script, tmp_path):
-    """benchmarks/cost_arms.py and next_arms.py edit this tree's kernels.py by exact text (a GPU
-    run of `h200_mma.sh costs` would stop at the first that no longer matches): each arm
-    applies, and its one-launch kernel compiles under NVRTC."""
+def test_the_cost_arms_still_apply_and_compile(tmp_path):
+    """benchmarks/cost_arms.py edits this tree's kernels.py by exact text (a GPU run of
+    `h200_mma.sh costs` would stop at the first that no longer matches): each arm applies, and
+    its one-launch kernel compiles under NVRTC."""
     import importlib.util
     import pathlib
     import sys
@@ -163,15 +162,9 @@ def test_the_cost_arms_still_apply_and_compile(script, tmp_path):
         return module
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))  # next_arms imports cost_arms
     arms = load("cost_arms", root / "benchmarks/cost_arms.py")
-    which = (
-        arms.ARMS
-        if script == "cost_arms"
-        else load("next_arms", root / "benchmarks/next_arms.py").ARMS
-    )
     try:
-        for name, path in arms.write_arms(tmp_path, which).items():
+        for name, path in arms.write_arms(tmp_path).items():
             assert path.read_text() != arms.KERNELS.read_text()
             module = load(f"cost_arm_{name}", path)
             lay = module.Layout(**dataclasses.asdict(_layout()))
@@ -180,8 +173,5 @@ def test_the_cost_arms_still_apply_and_compile(script, tmp_path):
                 module.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16), ONE_IN, ONE_OUT
             )
     finally:
-        sys.path.remove(str(root / "benchmarks"))
-        for name in [
-            n for n in sys.modules if n in ("cost_arms", "next_arms") or n.startswith("cost_arm_")
-        ]:
+        for name in [n for n in sys.modules if n == "cost_arms" or n.startswith("cost_arm_")]:
             del sys.modules[name]
