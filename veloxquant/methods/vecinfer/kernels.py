@@ -963,11 +963,11 @@ _MMA_TILES = (
     """
     const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;
     // mma's k index (a token of a 16-token block: A's rows of the scores, P's k rows) is token
-    // BLOCK_TOKEN(k) = 4 (k % 2 + 2 (k / 8)) + (k % 8) / 2, so that the value rows of P's
+    // `block_token`(k) = 4 (k % 2 + 2 (k / 8)) + (k % 8) / 2, so that the value rows of P's
     // k = 2 l4 + (u & 1) + 8 (u >> 1) are rows 4 u + l4: one load of the SIMD group reads 4
     // consecutive rows, one 128-byte line, where rows 2 l4 + .. took two (`phase_fragments`
     // permutes its rows the same way)
-    const int pq = 4 * (quad & 1) + (quad >> 1);  // BLOCK_TOKEN(quad); of quad + 8: pq + 8
+    const int pq = 4 * (quad & 1) + (quad >> 1);  // block_token(quad); of quad + 8: pq + 8
     // the B fragments, the same for every SIMD group, in threadgroup memory (in registers they
     // cost 32 of them): q~ of head L / 4 (zero past G) at k rows 2 (L % 4) + {0, 1} and
     // 8 + 2 (L % 4) + {0, 1} of chunk c; the phase coefficients' buffers start at zero, so the
