@@ -5,10 +5,6 @@ All but one of these arms compute wrong attention (their times are bounds, never
 drops one kind of memory traffic of the coded tokens' loop and keeps the rest, the MMAs and the
 addressing as they are, so that the time it saves is what that traffic costs in the loop.
 
-    vconf      value codebook gathers made free of bank conflicts (each value code's parity
-               forced to the lane's: the 8 copies of the f16 value book put the two lanes of a
-               half-warp that share a copy in the same bank pair whenever their codes have the
-               same parity; two instructions per code word)
     nophase    the phase A fragments not loaded (register values instead of the host table)
     nokrow     key code rows loaded for the first block of a tile only (later blocks reuse them)
     novrow     value code rows not loaded (codes made from the block's probabilities)
@@ -19,6 +15,9 @@ addressing as they are, so that the time it saves is what that traffic costs in 
 
     python benchmarks/cost_arms.py /tmp           # writes /tmp/<arm>_kernels.py, prints arm=path
     python benchmarks/cost_arms.py /tmp --sass    # and each arm's tile loop by kind (NVRTC)
+
+(The value gathers' bank-conflict arm, `vconf`, went when the value book got a copy per lane
+of a half-warp: value-book-h100.txt.)
 
 `--sass` checks on the CPU that each arm took out what it says (the loop's loads by kind), with
 cuobjdump on PATH as `kernel_code_size.py` needs it.
@@ -48,15 +47,6 @@ _SLICE_LOAD = "for (int i = 0; i < SW; ++i) out[i] = at[i];"
 
 # arm: [(text of kernels.py, what replaces it)], each text found exactly once
 ARMS: dict[str, list[tuple[str, str]]] = {
-    "vconf": [
-        (
-            _VALUE_ROWS,
-            _VALUE_ROWS
-            + '\n          static_assert(VB == 8, "vconf: 8-bit value codes");'
-            + "\n          for (int i = 0; i < VSW; ++i) vw[i] = (vw[i] & 0xFEFEFEFEu) | "
-            + "((((uint32_t)lane / VR16) & 1u) * 0x01010101u);",
-        )
-    ],
     "nophase": [
         (
             _PHASE_LOAD,

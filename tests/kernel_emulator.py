@@ -295,6 +295,9 @@ inline void vq_cp_async_wait() {
   }
 }
 inline float vq_round_half(float x) { return (float)vq_half(x); }
+// dynamic shared memory: a static like the other threadgroup arrays (named s_*, counted by
+// threadgroup_bytes)
+#define VQ_DYNAMIC_SHARED(T, name, n) static T name[n]
 inline uint32_t vq_codes_half2(uint32_t x, uint32_t y, uint32_t sel, uint32_t mask) {
   const uint32_t p = __byte_perm(x, y, sel) & mask;
   return vq_pack_half2((float)(p & 0xffffu), (float)(p >> 16));

@@ -610,14 +610,20 @@ def test_the_kernel_s_rotation_rounds_where_mlx_s_cuda_rope_does(traditional):
 @pytest.mark.parametrize("mma", [False, True], ids=["cuda-cores", "tensor-cores"])
 def test_the_launch_rotates_only_where_its_rope_table_fits(mma, monkeypatch):
     # the rotating launch holds a RoPE table in threadgroup memory (4·D bytes more); where that
-    # passes CUDA's limit the step keeps the model's rotation
+    # passes CUDA's static limit the step keeps the model's rotation. The tensor-core kernel's
+    # arrays are dynamic shared memory, sized to fit the card (`_mma_value_copies`): it rotates
+    # wherever it runs at all (its compact arrays within the limit, `mma_takes`)
     c, _, rotate, q_rot = _rope_step(OTHER_LAYOUTS[0], False)
     monkeypatch.setattr(K, "MMA", mma)
     lay = K.layout_of(c, q_rot.shape[1])
     r = K.TOKENS_PER_THREAD
     plain = K.threadgroup_bytes(lay, r, True)
     assert K.threadgroup_bytes(lay, r, True, True) == plain + 4 * lay.head_dim
-    for limit, rotates in [(plain + 4 * lay.head_dim - 1, False), (plain + 4 * lay.head_dim, True)]:
+    cases = [(plain + 4 * lay.head_dim - 1, False), (plain + 4 * lay.head_dim, True)]
+    if mma:
+        assert plain > 49152  # the 8B shape's conflict-free value book on the timed card
+        cases = [(K._mma_compact_bytes(lay, r), True), (plain + 4 * lay.head_dim, True)]
+    for limit, rotates in cases:
         monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", limit)
         a = K.attention_inputs(c, q_rot, 1.0, rotate, r=r, one_launch=True)
         assert (a["rope_in"], a["in_place"]) == (rotates, True)
@@ -1052,7 +1058,14 @@ def test_splits_fit_the_card_s_shared_memory(
     r = K.TOKENS_PER_THREAD
     lay = K.layout_of(c, 4 * h)
     nbytes = K.threadgroup_bytes(lay, r, True)
-    assert K.mma_takes(lay, r) and 40000 < nbytes < 45000
+    # the 8B shape's arrays: 43 KB with 8 copies of the value book; with its 16 conflict-free
+    # copies 56 KB (over CUDA's 48 KB of static arrays: dynamic shared memory), where 4 such
+    # threadgroups, RoPE table included, still fit the card (an H100's 228 KB)
+    assert K.mma_takes(lay, r)
+    if vecinfer == 4:
+        assert nbytes > 49152 and 4 * (nbytes + 4 * d + 1024) <= shared
+    else:
+        assert 40000 < nbytes < 45000
     assert K.target_groups(nbytes) == vecinfer * sms
     assert K.target_groups() == K.GROUPS_PER_MULTIPROCESSOR * sms  # no bytes: the bounds
     # a decode step aims its splits at the one-launch kernel's own threadgroup bytes
@@ -1256,7 +1269,7 @@ def test_the_tensor_cores_follow_the_switch_and_the_threadgroup_limit(monkeypatc
     assert K.mma_takes(slow, K.POLY_TOKENS // K.TILE)
     assert K.mma_takes(lay, 2 * K.POLY_TOKENS // K.TILE)
     assert not K.mma_takes(slow, 2 * K.POLY_TOKENS // K.TILE)
-    need = K.mma_bytes(lay, r)
+    need = K._mma_compact_bytes(lay, r)  # the conflict-free value book only where it fits
     monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", need - 1)
     assert not K.mma_takes(lay, r)
     monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", need)
@@ -1634,6 +1647,51 @@ def test_tensor_core_token_order_gives_each_value_row_load_one_line():
             angle = phi * K.block_token(quad + 8 * row8)
             assert frags[0, 0, lane, at] == pytest.approx(math.cos(angle), abs=1e-3)
             assert frags[0, 0, lane, at + 1] == pytest.approx(-math.sin(angle), abs=1e-3)
+
+
+def _value_gather_wavefronts(c: dict, codes: np.ndarray) -> int:
+    """Shared-memory wavefronts of one SIMD group's gather of f16 value-book entries (`codes`
+    [32], one per lane) as the tensor-core loop addresses them: lane L reads VEW words from word
+    (code · VR16 + L % VR16) · VEW of the copies. A wavefront serves 32 banks of 4 bytes; lanes
+    reading distinct words of one bank take one each."""
+    banks: dict[int, set[int]] = {}
+    for lane, code in enumerate(codes.tolist()):
+        first = (code * c["VR16"] + lane % c["VR16"]) * c["VEW"]
+        for word in range(first, first + c["VEW"]):
+            banks.setdefault(word % 32, set()).add(word)
+    words = sum(len(w) for w in banks.values())
+    return max(-(-words // 32), max(len(w) for w in banks.values()))
+
+
+def test_tensor_core_value_gathers_are_free_of_bank_conflicts_where_the_book_fits(monkeypatch):
+    # the 8B shape's d4b8 value book (8-byte entries): 16 copies, one per lane of a half-warp,
+    # make every gather of random codes two wavefronts (the least for 256 bytes); they fit 4
+    # threadgroups per multiprocessor of an H100 (228 KB) and not of an A100 (164 KB), which
+    # keeps the 8 copies of MMA_VALUE_BOOK_BYTES, and their 2-way conflicts
+    import mlx.nn as nn
+
+    import veloxquant.kernels as vk
+    from veloxquant.rope import RopeSpec
+
+    rope = RopeSpec.from_module(nn.RoPE(128, base=500000.0), 128)
+    lay = _layout(head_dim=128, poly_pairs=K.poly_pairs(rope, 128))
+    r = K.TOKENS_PER_THREAD
+    rng = np.random.default_rng(0)
+    draws = [rng.integers(0, 1 << lay.value_bits, 32) for _ in range(200)]
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # the card's shared memory decides
+    for card, shared, copies, late in (("H100", 233472, 16, True), ("A100", 167936, 8, False)):
+        monkeypatch.setattr(vk, "cuda_shared_memory", lambda shared=shared: (shared, 1024))
+        c = K._mma_constants(lay, r)
+        assert (c["VR16"], c["VBLATE"]) == (copies, late), card
+        fronts = [_value_gather_wavefronts(c, codes) for codes in draws]
+        if late:
+            assert set(fronts) == {2}
+        else:  # four lanes share each copy: 3 or 4 wavefronts at nearly every gather
+            assert np.mean(fronts) > 3 and max(fronts) == 4
+        one = K.one_launch_kernel_source(lay, mx.float16, mx.float16, r, rope_in=True)
+        assert one.constants["VR16"] == copies and one.dynamic_shared == K.mma_bytes(lay, r) - 4
+        tg = K.threadgroup_bytes(lay, r, True, True)
+        assert (shared // (tg + 1024) >= K.MMA_MIN_THREADGROUPS) is late, card
 
 
 def test_launch_constants_are_built_once():

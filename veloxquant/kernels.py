@@ -188,6 +188,9 @@ __device__ inline void vq_cp_async_wait() {
 }
 // x rounded to f16 and back: x - vq_round_half(x) is what an f16 copy of x leaves out
 __device__ inline float vq_round_half(float x) { return __half2float(__float2half_rn(x)); }
+// a threadgroup array of n T's in dynamic shared memory (`KernelSource.dynamic_shared` bytes;
+// one such array per kernel): the static arrays stop at CUDA's 48 KB
+#define VQ_DYNAMIC_SHARED(T, name, n) extern __shared__ T name[]
 // two small codes as an f16 pair: the halves of x and y that `sel` picks (PRMT: 0x5410 the
 // low halves, 0x7632 the high ones) masked to their codes (`mask` in each half), ORed into
 // 1024's f16 pattern (1024 + code, exact) and 1024 subtracted
@@ -321,6 +324,8 @@ class KernelSource:
                are refused.
     min_threadgroups  CUDA: threadgroups per multiprocessor the compiler must fit registers
                for (`__launch_bounds__(threads, min_threadgroups)`); 0 leaves it its choice.
+    dynamic_shared  CUDA: bytes of dynamic shared memory per threadgroup, for the body's one
+               `VQ_DYNAMIC_SHARED` array (MLX raises the kernel's limit past 48 KB).
     """
 
     name: str
@@ -332,6 +337,7 @@ class KernelSource:
     helpers: str = ""
     backends: tuple[str, ...] = ("cuda", "metal")
     min_threadgroups: int = 0
+    dynamic_shared: int = 0
 
     @functools.cached_property
     def kernel_name(self) -> str:
@@ -341,6 +347,7 @@ class KernelSource:
         key = repr(sorted((k, str(v)) for k, v in self.constants.items())) + self.body
         key += "|helpers " + self.helpers
         key += f"|bounds {self.min_threadgroups}" if self.min_threadgroups else ""
+        key += f"|dynamic {self.dynamic_shared}" if self.dynamic_shared else ""
         return f"{self.name}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
     def header(self, backend: str) -> str:
@@ -687,6 +694,7 @@ def compiled(source: KernelSource, input_dtypes: tuple[str, ...]) -> Any | None:
                 output_names=list(source.outputs),
                 source=text,
                 header=header,
+                shared_memory=source.dynamic_shared,
             )
         else:
             _COMPILED[key] = mx.fast.metal_kernel(

@@ -822,7 +822,12 @@ _PARTIAL_BODY = (
 # theirs, and a layer's step is faster from 64K on (benchmarks/results/mma-h200.txt); False
 # puts the coded tokens back on the CUDA cores.
 MMA = True
-MMA_VALUE_BOOK_BYTES = 16384  # the f16 value codebook's copies (8 copies of a d4b8 book)
+# The f16 value codebook's copies where the conflict-free ones do not fit (8 copies of a d4b8
+# book, whose gathers then meet 2-way bank conflicts: two lanes of a half-warp share a copy).
+# Where they fit MMA_MIN_THREADGROUPS threadgroups per multiprocessor of the card, the book has
+# one copy per lane a shared load serves at once (`_mma_value_copies`): 16 of a d4b8 book,
+# 32 KB, carved out of dynamic shared memory with the kernel's other arrays.
+MMA_VALUE_BOOK_BYTES = 16384
 # Threadgroups per multiprocessor the compiler must fit (CUDA `__launch_bounds__`): left to
 # itself it took 136 registers for the default layout (3 threadgroups on an H200), 4 needs 128
 # (68 bytes of spill stores under nvcc 13), 5 spilled 504 (benchmarks/results/mma-tiles-cpu.md).
@@ -880,6 +885,50 @@ VQ_FN void vq_book16(VQ_TG uint32_t* dst, const VQ_GLOBAL H* book, int tid, int 
     }
   }
 }
+// entries tid + THREADS k of a codebook of CODES entries of SD f16 values, each as EW 32-bit
+// words (a lone half in the low bits), into registers: loaded during the setup and stored by
+// vq_book16_store once the setup's arrays that share the copies' memory are read
+template <int CODES, int SD, int EW, int THREADS, class H>
+VQ_FN void vq_book16_load(uint32_t (&e)[(CODES + THREADS - 1) / THREADS][EW],
+                          const VQ_GLOBAL H* book, int tid) {
+  const VQ_GLOBAL uint32_t* words = reinterpret_cast<const VQ_GLOBAL uint32_t*>(book);
+  const VQ_GLOBAL unsigned short* bits = reinterpret_cast<const VQ_GLOBAL unsigned short*>(book);
+  VQ_UNROLL
+  for (int k = 0; k < (CODES + THREADS - 1) / THREADS; ++k) {
+    const int c = tid + k * THREADS;
+    VQ_UNROLL
+    for (int w = 0; w < EW; ++w) {
+      if (CODES % THREADS != 0 && c >= CODES) {
+        e[k][w] = 0u;
+      } else if (SD == 2 * EW) {
+        e[k][w] = words[c * EW + w];
+      } else {
+        const uint32_t hi = SD > 2 * w + 1 ? (uint32_t)bits[c * SD + 2 * w + 1] << 16 : 0u;
+        e[k][w] = (uint32_t)bits[c * SD + 2 * w] | hi;
+      }
+    }
+  }
+}
+// ... then 32 / EW copies of each (one per lane of a shared-memory wavefront), entry c's copy r
+// at words 32 c + EW r: 128 bytes an entry, stored as 8 uint4s from a start rotated by the
+// thread, so that the 8 threads of a store's wavefront write distinct banks
+template <int CODES, int EW, int THREADS>
+VQ_FN void vq_book16_store(VQ_TG uint4* dst,
+                           const uint32_t (&e)[(CODES + THREADS - 1) / THREADS][EW], int tid) {
+  VQ_UNROLL
+  for (int k = 0; k < (CODES + THREADS - 1) / THREADS; ++k) {
+    const int c = tid + k * THREADS;
+    if (CODES % THREADS == 0 || c < CODES) {
+      uint4 v;
+      v.x = e[k][0];
+      v.y = e[k][1 % EW];
+      v.z = e[k][2 % EW];
+      v.w = e[k][3 % EW];
+      VQ_UNROLL
+      for (int j = 0; j < 8; ++j) dst[c * 8 + ((j + tid) & 7)] = v;
+    }
+  }
+}
 // the nb-bit code at bit b of the words w, shifted left by lg (b a constant once unrolled): a
 // mask, then a shift that folds into the caller's address add (LEA), where the code lies in
 // one word
@@ -923,8 +972,14 @@ VQ_FN void vq_slice(uint32_t (&out)[SW], const VQ_GLOBAL uint32_t* at, int first
 )
 
 _MMA_SHARED = """
-  VQ_SHARED float s_q[G * D];            // scaled queries
-  VQ_SHARED float4 s_qt[KM * QS / 4];    // q~ per key sub-space m: [m][g][i], padded to QS
+  // f16 value codebook copies. With VBLATE (`_mma_value_copies`) they are written after the
+  // setup, which until then keeps its scaled queries and q~ at their start
+  VQ_SHARED uint4 s_vb16[(VCODES * VR16 * VEW + 3) / 4];
+  VQ_SHARED float s_qown[VBLATE ? 1 : G * D];
+  VQ_SHARED float4 s_qtown[VBLATE ? 1 : KM * QS / 4];
+  // scaled queries; q~ per key sub-space m: [m][g][i], padded to QS
+  VQ_TG float* const s_q = VBLATE ? reinterpret_cast<VQ_TG float*>(s_vb16) : s_qown;
+  VQ_TG float4* const s_qt = VBLATE ? reinterpret_cast<VQ_TG float4*>(s_vb16) + G * D / 4 : s_qtown;
   // B fragments of the phase coefficients, then A fragments of the slow pairs' W (two tiles'
   // buffers), and B fragments of q~, per lane: [chunk][lane]
   VQ_SHARED uint2 s_wb[CENTER ? 2 * (PC + NPC) * 32 : 1];
@@ -941,7 +996,6 @@ _MMA_SHARED = """
   VQ_SHARED float s_lw[NWARPS * G];
   VQ_SHARED float s_mrun[G];
   VQ_SHARED float s_lrun[G];
-  VQ_SHARED uint4 s_vb16[(VCODES * VR16 * VEW + 3) / 4];  // f16 value codebook copies
   // f16 key codebook copies and, per s_wb slot, W of its (pair j, head g) rotated to the next
   // tile's start (zero for heads past G); then the reduction
   VQ_SHARED float4 s_big[BIG4];
@@ -955,8 +1009,13 @@ _MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), copie
     // group's random codes hit distinct banks
     const int kbook = KBOOKS > 1 ? h : 0, vbook = VBOOKS > 1 ? h : 0;
     vq_book16<KCODES, KR16, KD, KEW>(s_kb16, key_book + kbook * KCODES * KD, (int)vq_tid, TILE);
-    VQ_TG uint32_t* s_vbw = reinterpret_cast<VQ_TG uint32_t*>(s_vb16);
-    vq_book16<VCODES, VR16, VD, VEW>(s_vbw, value_book + vbook * VCODES * VD, (int)vq_tid, TILE);
+    uint32_t vlate[(VCODES + TILE - 1) / TILE][VEW];  // unused (dropped) without VBLATE
+    if (VBLATE) {
+      vq_book16_load<VCODES, VD, VEW, TILE>(vlate, value_book + vbook * VCODES * VD, (int)vq_tid);
+    } else {
+      VQ_TG uint32_t* s_vbw = reinterpret_cast<VQ_TG uint32_t*>(s_vb16);
+      vq_book16<VCODES, VR16, VD, VEW>(s_vbw, value_book + vbook * VCODES * VD, (int)vq_tid, TILE);
+    }
 """
 
 _MMA_TILES = (
@@ -1053,6 +1112,10 @@ _MMA_TILES = (
       }
     }
     VQ_BARRIER();
+    if (VBLATE) {  // s_q and s_qt are read: the value book over them
+      vq_book16_store<VCODES, VEW, TILE>(s_vb16, vlate, (int)vq_tid);
+      if (!CENTER) VQ_BARRIER();  // else each tile's barrier orders them before its gathers
+    }
     // O^T fragments: acc[b][e] is dim VSD quad + 2b + (e >> 1), head 2 l4 + (e & 1)
     float acc[DC][4];
     VQ_UNROLL
@@ -1963,7 +2026,8 @@ def mma_takes(lay: Layout, r: int | None = None) -> bool:
     """Whether the one-launch kernel runs its coded tokens on the tensor cores (`_MMA_TILES`):
     MMA on, head_dim a multiple of 16, at most 8 query heads per KV head (mma's N), tiles of at
     most POLY_TOKENS tokens when the layout has polynomial pairs and its threadgroup arrays
-    within CUDA's limit. It reads whole 16-token blocks of code rows, so the code buffers'
+    within CUDA's limit (with the compact value book: the conflict-free one only where it fits,
+    `_mma_value_copies`). It reads whole 16-token blocks of code rows, so the code buffers'
     capacity must be a multiple of 16 (the cache grows them by CODE_STEP)."""
     if not MMA:
         return False
@@ -1977,7 +2041,7 @@ def mma_takes(lay: Layout, r: int | None = None) -> bool:
             lay.head_dim % 16 == 0
             and lay.group <= 8
             and (lay.poly_pairs == 0 or TILE * r <= POLY_TOKENS)
-            and mma_bytes(lay, r) <= THREADGROUP_LIMIT["cuda"]
+            and _mma_compact_bytes(lay, r) <= THREADGROUP_LIMIT["cuda"]
         )
     return takes
 
@@ -1985,7 +2049,7 @@ def mma_takes(lay: Layout, r: int | None = None) -> bool:
 _MMA_TAKES: dict[tuple, bool] = {}
 
 
-def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
+def _mma_constants(lay: Layout, r: int, compact: bool = False) -> dict[str, Any]:
     d, kd, vd = lay.head_dim, lay.key_sub_dim, lay.value_sub_dim
     kew, vew = max(1, kd // 2), max(1, vd // 2)
     ksb = d // 4 // kd * lay.key_bits  # bits of a lane's key slice (a quarter of the dims)
@@ -1993,7 +2057,7 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
     kr = _replicas(1 << lay.key_bits, kew)
     vr = _replicas(1 << lay.value_bits, vew, MMA_VALUE_BOOK_BYTES)
     exact, full, chunks, poly_chunks = _phase_plan(lay)
-    return {
+    c = {
         "TT": TILE * r,  # tokens per tile
         "WB": TILE * r // (TILE // 32 * 16),  # 16-token blocks per SIMD group and tile
         "DC": d // 16,  # 16-dim chunks (key A columns, value A row blocks)
@@ -2023,8 +2087,40 @@ def _mma_constants(lay: Layout, r: int) -> dict[str, Any]:
         "KBOOK4": -(-((1 << lay.key_bits) * kr * kew) // 4),  # float4s of the key book copies
         "KLG": (kr * kew * 4).bit_length() - 1,  # log2 of a code's bytes in the copies' array
         "VLG": (vr * vew * 4).bit_length() - 1,
+        "VBLATE": False,
         "KAHEAD": KEY_ROWS_AHEAD,  # first key rows of a tile loaded one tile ahead
     }
+    if not compact:
+        vr, late = _mma_value_copies(lay, r, c)
+        c.update(VR16=vr, VLG=(vr * vew * 4).bit_length() - 1, VBLATE=late)
+    return c
+
+
+def _mma_value_copies(lay: Layout, r: int, c: dict[str, Any]) -> tuple[int, bool]:
+    """(copies of the tensor-core path's f16 value book, VBLATE): one per lane that a shared
+    load of its entries serves at once (32 / VEW: a SIMD group's random codes then never share
+    a bank) where the threadgroup's memory with them, its RoPE table included, still fits
+    MMA_MIN_THREADGROUPS per multiprocessor of the card; else the compact `c["VR16"]`. The
+    large book is written after the setup (VBLATE) with the setup's scaled queries and q~ at
+    its start until then, where it holds them: 4 threadgroups of the 8B shape fit an H100's
+    228 KB only so."""
+    full = 32 // c["VEW"]
+    if c["VR16"] >= full:
+        return c["VR16"], False
+    p = _partial_constants(lay, r)
+    book = (1 << lay.value_bits) * full * c["VEW"] * 4
+    late = book >= 4 * (lay.group * lay.head_dim + p["KM"] * p["QS"])
+    group = _mma_array_bytes(lay, r, {**c, "VR16": full, "VBLATE": late}) + 4 + 4 * lay.head_dim
+    per_multiprocessor, reserved = _card_shared_memory()
+    if per_multiprocessor // (group + reserved) >= MMA_MIN_THREADGROUPS:
+        return full, late
+    return c["VR16"], False
+
+
+def _card_shared_memory() -> tuple[int, int]:
+    """The CUDA card's (shared memory per multiprocessor, bytes kept per threadgroup), or the
+    timed card's where MLX does not run on CUDA (sources built for tests and tools)."""
+    return vk.cuda_shared_memory() if vk.backend() == "cuda" else vk.TIMED_CARD_SHARED_MEMORY
 
 
 def _phase_plan(lay: Layout) -> tuple[int, int, int, int]:
@@ -2058,22 +2154,71 @@ def phase_slot_pairs(lay: Layout) -> np.ndarray:
 def _mma_big4(lay: Layout, r: int) -> int:
     """float4s of the tensor-core path's key codebook copies and rotated phase coefficients,
     then its SIMD groups' rows."""
-    c = _mma_constants(lay, r)
+    c = _mma_constants(lay, r, compact=True)  # the value book is not in it
     loop = 16 * c["KBOOK4"] + (8 * 64 * (c["PC"] + c["NPC"]) if lay.center else 0)
     return -(-max(loop, 4 * (TILE // 32) * lay.group * lay.head_dim) // 16)
 
 
+def _mma_array_bytes(lay: Layout, r: int, c: dict[str, Any]) -> int:
+    """Bytes of `_MMA_SHARED`'s arrays with the tensor-core constants `c`, as `_dynamic_arrays`
+    carves them out of dynamic shared memory: in order, each from a 16-byte boundary."""
+    p = _partial_constants(lay, r)
+    g, d, late = lay.group, lay.head_dim, c["VBLATE"]
+    slots = 8 * (c["PC"] + c["NPC"]) if lay.center else 1
+    arrays = [
+        16 * -(-((1 << lay.value_bits) * c["VR16"] * c["VEW"]) // 4),  # s_vb16
+        4 * (1 if late else g * d),  # s_qown
+        16 * (1 if late else p["KM"] * p["QS"] // 4),  # s_qtown
+        8 * (2 * 4 * slots if lay.center else 1),  # s_wb
+        8 * slots,  # s_wstep
+        4 * slots,  # s_wj
+        8 * slots,  # s_wmu
+        8 * slots,  # s_wpos
+        8 * (max(1, c["NPC"]) * 32 if lay.center else 1),  # s_polyb
+        8 * 32 * c["DC"],  # s_qb
+        4 * p["NWARPS"] * g,  # s_red
+        4 * p["NWARPS"] * g,  # s_lw
+        4 * g,  # s_mrun
+        4 * g,  # s_lrun
+        16 * one_launch_big4(lay, _mma_big4(lay, r)),  # s_big
+    ]
+    return sum(-(-n // 16) * 16 for n in arrays)
+
+
 def mma_bytes(lay: Layout, r: int) -> int:
-    """Threadgroup memory of the one-launch kernel on the tensor cores (`_MMA_SHARED`)."""
-    c = {**_partial_constants(lay, r), **_mma_constants(lay, r)}
-    g, d, nw = lay.group, lay.head_dim, c["NWARPS"]
-    big4 = one_launch_big4(lay, _mma_big4(lay, r))
-    floats = g * d + c["KM"] * c["QS"]
-    if lay.center:  # s_wb, s_wstep, s_wj, s_wmu, s_wpos, s_polyb
-        floats += (2 * 2 * 32 + 7 * 8) * (c["PC"] + c["NPC"]) + 2 * 32 * max(1, c["NPC"])
-    floats += 2 * 32 * c["DC"] + 2 * nw * g + 2 * g
-    vbook = 16 * -(-((1 << lay.value_bits) * c["VR16"] * c["VEW"]) // 4)
-    return 4 * floats + vbook + 16 * big4 + 4
+    """Threadgroup memory of the one-launch kernel on the tensor cores: `_MMA_SHARED`'s arrays
+    in dynamic shared memory, and the merge's flag."""
+    return _mma_array_bytes(lay, r, _mma_constants(lay, r)) + 4
+
+
+def _mma_compact_bytes(lay: Layout, r: int) -> int:
+    """`mma_bytes` with the compact value book (MMA_VALUE_BOOK_BYTES)."""
+    return _mma_array_bytes(lay, r, _mma_constants(lay, r, compact=True)) + 4
+
+
+def _dynamic_arrays(shared: str) -> str:
+    """The threadgroup arrays declared in `shared` carved out of one dynamic shared memory array
+    (`s_dynamic`, DYN4 uint4s), each from a 16-byte boundary (`_mma_array_bytes` counts them
+    so). All of them move: MLX raises a kernel's limit past CUDA's 48 KB only for a dynamic
+    request of over 48000 bytes, and static arrays count towards that limit too."""
+    decl = re.compile(r"^(\s*)VQ_SHARED (\w+) (s_\w+)\[(.+)\];(.*)$", re.M)
+    n = 0
+
+    def carve(m: re.Match) -> str:
+        nonlocal n
+        indent, t, name, count, comment = m.groups()
+        n += 1
+        at, end = f"VQ_DYN{n - 1}", f"VQ_DYN{n}"
+        return (
+            f"{indent}VQ_TG {t}* const {name} =\n"
+            f"{indent}    reinterpret_cast<VQ_TG {t}*>(s_dynamic + {at} / 16);{comment}\n"
+            f"{indent}constexpr int {end} = ({at} + (int)sizeof({t}) * ({count}) + 15) & ~15;"
+        )
+
+    out = decl.sub(carve, shared)
+    check = f'  static_assert(VQ_DYN{n} == 16 * DYN4, "_mma_array_bytes counts other arrays");\n'
+    head = "  VQ_DYNAMIC_SHARED(uint4, s_dynamic, DYN4);\n  constexpr int VQ_DYN0 = 0;\n"
+    return head + out + check
 
 
 def encode_threadgroup_bytes(lay: Layout) -> int:
@@ -2421,12 +2566,14 @@ def one_launch_kernel_source(
         raise ValueError("rope_in needs a layout with the key mean (a cache with the RoPE)")
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK, mma)
     key += (COMBINE_FLOAT4, COMBINE_LOADS, COMBINE_LOADS4, KEY_ROWS_AHEAD)
-    key += (MMA_MIN_THREADGROUPS, rope_in)
+    key += (MMA_MIN_THREADGROUPS, rope_in, MMA_VALUE_BOOK_BYTES, _card_shared_memory())
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
         if mma:  # the same kernel with its coded tokens on the tensor cores
             constants = {**partial.constants, **_mma_constants(lay, r), "BIG4": _mma_big4(lay, r)}
-            body, helpers = _EXACT_ROW + _MMA_BODY, partial.helpers + _MMA_HELPERS
+            constants["DYN4"] = (mma_bytes(lay, r) - 4) // 16
+            body = _EXACT_ROW + _MMA_BODY.replace(_MMA_SHARED, _dynamic_arrays(_MMA_SHARED))
+            helpers = partial.helpers + _MMA_HELPERS
             partial = replace(partial, body=body, constants=constants, helpers=helpers)
             partial = replace(partial, min_threadgroups=MMA_MIN_THREADGROUPS)
         combine = _combine_statements("h * G", lay.group, TILE, lay.head_dim, "s_tail")
@@ -2464,6 +2611,7 @@ def one_launch_kernel_source(
             helpers=helpers,
             backends=("cuda",),
             min_threadgroups=partial.min_threadgroups,
+            dynamic_shared=16 * partial.constants["DYN4"] if mma else 0,
         )
     return _SOURCES[key]
 
@@ -2993,7 +3141,7 @@ def _step_kind(
         nk.dtype, nv.dtype, None if last is None else last.dtype,
         MMA, TILE, COMBINE_CHUNK, COMBINE_FLOAT4, COMBINE_LOADS, COMBINE_LOADS4, KEY_ROWS_AHEAD,
         WRITE_IN_PLACE, ONE_LAUNCH, ROPE_IN_KERNEL, THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES,
-        MMA_MIN_THREADGROUPS,
+        MMA_MIN_THREADGROUPS, _card_shared_memory(),
     )  # fmt: skip
     memo = cache.__dict__.setdefault("_kernel_memo", {})
     step = memo.get(key)
@@ -3015,7 +3163,7 @@ def _step_kind(
             and one
             and in_place
             and lay.center
-            and group_bytes[True] <= THREADGROUP_LIMIT["cuda"]
+            and (mma_takes(lay, r) or group_bytes[True] <= THREADGROUP_LIMIT["cuda"])
         ),
         "group_bytes": group_bytes,
         "constants": const,
@@ -3071,7 +3219,9 @@ def takes_one_launch(lay: Layout, r: int | None = None) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _one_launch_fits(lay: Layout, r: int, mma: bool) -> bool:  # mma: MMA, a key of the cache
-    return lay.head_dim <= TILE and threadgroup_bytes(lay, r, True) <= THREADGROUP_LIMIT["cuda"]
+    # the tensor-core kernel's arrays are dynamic shared memory, sized to fit (`mma_takes`)
+    fits = mma_takes(lay, r) or threadgroup_bytes(lay, r, True) <= THREADGROUP_LIMIT["cuda"]
+    return lay.head_dim <= TILE and fits
 
 
 def decode_attention(
