@@ -1041,8 +1041,9 @@ def test_splits_fit_the_card_s_shared_memory(
 ):
     """One wave is as many threadgroups as a multiprocessor holds at once: the launch bounds'
     count (4 for VecInfer's one launch, KIVI's 6 or 4), or fewer where the card's shared memory
-    holds fewer of the kernel's threadgroups (43 KB for the 8B shape's VecInfer layout): aimed
-    at 4, an A100 would run a quarter of them in a second wave, an RTX 4090 half."""
+    holds fewer of the kernel's threadgroups (43 KB for the 8B shape's VecInfer layout with the
+    compact value book, which such cards keep): aimed at 4, an A100 would run a quarter of them
+    in a second wave, an RTX 4090 half."""
     import veloxquant.kernels as vk
     import veloxquant.methods.kivi.kernels as kivi
 
@@ -1692,6 +1693,25 @@ def test_tensor_core_value_gathers_are_free_of_bank_conflicts_where_the_book_fit
         assert one.constants["VR16"] == copies and one.dynamic_shared == K.mma_bytes(lay, r) - 4
         tg = K.threadgroup_bytes(lay, r, True, True)
         assert (shared // (tg + 1024) >= K.MMA_MIN_THREADGROUPS) is late, card
+
+
+def test_the_value_book_asks_the_card_only_for_the_tensor_cores(monkeypatch):
+    # the conflict-free value book is sized to the card's shared memory; where the driver cannot
+    # say, the error names the switches that run without asking, and they do
+    import veloxquant.kernels as vk
+
+    def no_driver():
+        raise RuntimeError("cannot load the CUDA driver to read the shared memory per SM")
+
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    monkeypatch.setattr(vk, "cuda_shared_memory", no_driver)
+    monkeypatch.setattr(K, "MMA", True)
+    lay = _layout()
+    with pytest.raises(RuntimeError, match="set MMA = False"):
+        K.one_launch_kernel_source(lay, mx.float16, mx.float16)
+    monkeypatch.setattr(K, "MMA", False)
+    src = K.one_launch_kernel_source(lay, mx.float16, mx.float16)
+    assert src.dynamic_shared == 0 and "VR16" not in src.constants
 
 
 def test_launch_constants_are_built_once():

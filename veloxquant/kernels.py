@@ -325,7 +325,8 @@ class KernelSource:
     min_threadgroups  CUDA: threadgroups per multiprocessor the compiler must fit registers
                for (`__launch_bounds__(threads, min_threadgroups)`); 0 leaves it its choice.
     dynamic_shared  CUDA: bytes of dynamic shared memory per threadgroup, for the body's one
-               `VQ_DYNAMIC_SHARED` array (MLX raises the kernel's limit past 48 KB).
+               `VQ_DYNAMIC_SHARED` array (MLX raises the kernel's limit past CUDA's 48 KB
+               for a request of over 48000 bytes).
     """
 
     name: str

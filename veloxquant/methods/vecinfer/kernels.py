@@ -78,7 +78,8 @@ NEG = -1.0e30  # finite "minus infinity" for running maxima (no inf arithmetic i
 LOG2E = 1.4426950408889634
 # Threadgroup memory one replicated codebook may take, and all of a kernel's arrays may take
 # per backend: Apple GPUs have 32 KB per threadgroup, and CUDA takes at most 48 KB of static
-# arrays (more needs dynamic shared memory, which the kernels do not use).
+# arrays (more needs dynamic shared memory: only the one-launch kernel's tensor-core path uses
+# it, for a value book that fits the card, `_mma_value_copies`).
 CODEBOOK_BYTES = 8192
 THREADGROUP_LIMIT = {"metal": 32768, "cuda": 49152}
 # Coded tokens each thread scores per tile: the query's transformed sub-vectors and phase
@@ -2120,7 +2121,16 @@ def _mma_value_copies(lay: Layout, r: int, c: dict[str, Any]) -> tuple[int, bool
 def _card_shared_memory() -> tuple[int, int]:
     """The CUDA card's (shared memory per multiprocessor, bytes kept per threadgroup), or the
     timed card's where MLX does not run on CUDA (sources built for tests and tools)."""
-    return vk.cuda_shared_memory() if vk.backend() == "cuda" else vk.TIMED_CARD_SHARED_MEMORY
+    if vk.backend() != "cuda":
+        return vk.TIMED_CARD_SHARED_MEMORY
+    try:
+        return vk.cuda_shared_memory()
+    except RuntimeError as e:  # its fix (TARGET_GROUPS) covers the splits, not the value book
+        raise RuntimeError(
+            f"{e}; the one-launch kernel's tensor-core value book is sized to the card's shared "
+            "memory too: set MMA = False (or ONE_LAUNCH = False) in "
+            "veloxquant.methods.vecinfer.kernels to run without asking"
+        ) from e
 
 
 def _phase_plan(lay: Layout) -> tuple[int, int, int, int]:
@@ -2566,7 +2576,8 @@ def one_launch_kernel_source(
         raise ValueError("rope_in needs a layout with the key mean (a cache with the RoPE)")
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK, mma)
     key += (COMBINE_FLOAT4, COMBINE_LOADS, COMBINE_LOADS4, KEY_ROWS_AHEAD)
-    key += (MMA_MIN_THREADGROUPS, rope_in, MMA_VALUE_BOOK_BYTES, _card_shared_memory())
+    key += (MMA_MIN_THREADGROUPS, rope_in, MMA_VALUE_BOOK_BYTES)
+    key += (_card_shared_memory() if mma else None,)
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
         if mma:  # the same kernel with its coded tokens on the tensor cores
@@ -3141,7 +3152,7 @@ def _step_kind(
         nk.dtype, nv.dtype, None if last is None else last.dtype,
         MMA, TILE, COMBINE_CHUNK, COMBINE_FLOAT4, COMBINE_LOADS, COMBINE_LOADS4, KEY_ROWS_AHEAD,
         WRITE_IN_PLACE, ONE_LAUNCH, ROPE_IN_KERNEL, THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES,
-        MMA_MIN_THREADGROUPS, _card_shared_memory(),
+        MMA_MIN_THREADGROUPS, _card_shared_memory() if ONE_LAUNCH and MMA else None,
     )  # fmt: skip
     memo = cache.__dict__.setdefault("_kernel_memo", {})
     step = memo.get(key)
@@ -3210,7 +3221,9 @@ def takes_one_launch(lay: Layout, r: int | None = None) -> bool:
     on, MLX on CUDA (the threadgroups hand over through a device-scope fence, which Metal lacks),
     head_dim <= TILE (the merge and the encoder take D threads of the TILE) and its threadgroup
     arrays, with r coded tokens per thread (default TOKENS_PER_THREAD), within CUDA's limit
-    (else the step is the two launches)."""
+    (on the tensor cores, those with the compact value book: its arrays are dynamic shared
+    memory, the conflict-free book only where it fits the card) (else the step is the two
+    launches)."""
     from veloxquant.kernels import backend
 
     r = TOKENS_PER_THREAD if r is None else r
