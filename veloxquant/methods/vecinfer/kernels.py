@@ -850,6 +850,13 @@ VQ_FN uint32_t vq_bits(const uint32_t (&w)[N], int b, int nb) {
 // REPS copies of a codebook of CODES entries of SD f16 values, each as EW 32-bit words (a
 // lone half in the low bits), entry c's copy r at words (c * REPS + r) * EW of dst; the
 // threadgroup's `threads` threads from thread `tid`
+// word w of entry c of a codebook of SD f16 values an entry (halves 2w, 2w + 1; a lone half in
+// the low bits)
+template <int SD>
+VQ_FN uint32_t vq_book16_word(const VQ_GLOBAL unsigned short* bits, int c, int w) {
+  const uint32_t hi = SD > 2 * w + 1 ? (uint32_t)bits[c * SD + 2 * w + 1] << 16 : 0u;
+  return (uint32_t)bits[c * SD + 2 * w] | hi;
+}
 template <int CODES, int REPS, int SD, int EW, class H>
 VQ_FN void vq_book16(VQ_TG uint32_t* dst, const VQ_GLOBAL H* book, int tid, int threads) {
   if (SD == 2 * EW && REPS * EW % 4 == 0) {
@@ -878,12 +885,8 @@ VQ_FN void vq_book16(VQ_TG uint32_t* dst, const VQ_GLOBAL H* book, int tid, int 
   }
   const VQ_GLOBAL unsigned short* bits = reinterpret_cast<const VQ_GLOBAL unsigned short*>(book);
   for (int i = tid; i < CODES * REPS; i += threads) {
-    const int base = (i / REPS) * SD;
     VQ_UNROLL
-    for (int w = 0; w < EW; ++w) {
-      const uint32_t hi = SD > 2 * w + 1 ? (uint32_t)bits[base + 2 * w + 1] << 16 : 0u;
-      dst[i * EW + w] = (uint32_t)bits[base + 2 * w] | hi;
-    }
+    for (int w = 0; w < EW; ++w) dst[i * EW + w] = vq_book16_word<SD>(bits, i / REPS, w);
   }
 }
 // entries tid + THREADS k of a codebook of CODES entries of SD f16 values, each as EW 32-bit
@@ -901,11 +904,8 @@ VQ_FN void vq_book16_load(uint32_t (&e)[(CODES + THREADS - 1) / THREADS][EW],
     for (int w = 0; w < EW; ++w) {
       if (CODES % THREADS != 0 && c >= CODES) {
         e[k][w] = 0u;
-      } else if (SD == 2 * EW) {
-        e[k][w] = words[c * EW + w];
       } else {
-        const uint32_t hi = SD > 2 * w + 1 ? (uint32_t)bits[c * SD + 2 * w + 1] << 16 : 0u;
-        e[k][w] = (uint32_t)bits[c * SD + 2 * w] | hi;
+        e[k][w] = SD == 2 * EW ? words[c * EW + w] : vq_book16_word<SD>(bits, c, w);
       }
     }
   }
