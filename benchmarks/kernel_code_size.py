@@ -210,9 +210,8 @@ def one_launch_report(tag: str, kernels, work: Path, rope_in: bool = False) -> N
     print(f"  {loop_code[-1][0] + 16} bytes of SASS; the merge (split done -> merged, stamped) "
           f"{stamps[2] - stamps[1]} bytes; its longest runs of global loads between two branches: "
           + ", ".join(f"{n} ({w} of 128 bits)" for n, w in runs))  # fmt: skip
-    if len(stamps) > 4:
-        print("  the merge's phases (timeline-one's names), bytes: " + ", ".join(
-            f"{name} {stamps[b] - stamps[a]}" for name, a, b in MERGE_PHASES))  # fmt: skip
+    print("  the merge's phases (timeline-one's names), bytes: " + ", ".join(
+        f"{name} {stamps[b] - stamps[a]}" for name, a, b in MERGE_PHASES))  # fmt: skip
     tile_loop_report(loop_code, 32 * a["r"])
 
 
@@ -228,8 +227,6 @@ def one_launch_stamp_addresses(sass: str) -> dict[int, int]:
     """{stamp slot: code address} of the one-launch kernel's timeline-one stamps."""
     found = {slot: at for at, slot in stamp_slots(sass)}
     want = {0, 1, 2, 3, *(k for _, k in ONE_MERGE_STAMPS)}
-    if set(found) == {0, 1, 2, 3}:  # the exact threadgroup merges as it waits: no merge stamps
-        want = {0, 1, 2, 3}
     if set(found) != want:
         raise SystemExit(
             f"expected timeline-one's stamps {sorted(want)} in the SASS, found {found}"

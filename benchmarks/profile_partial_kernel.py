@@ -364,12 +364,6 @@ ONE_STAMPS = (
     ("  VQ_SHARED int s_last;\n", 1),
     ("  if (split == n_splits && iparams[EP] > 0) {", 2),
 )
-# ... of the tail that merges while it waits (kernels.MERGE_WHILE_WAITING): 1 before the part's
-# fence, 2 after the exact threadgroup's merge (which the coded ones skip); no merge stamps
-ONE_STAMPS_WAITING = (
-    ("  VQ_DEVICE_FENCE();  // this thread's part writes, device-wide before its split's", 1),
-    ("    // the flags back at zero for the next launch", 2),
-)
 ONE_LOOP_STAMP = ("    for (int tile = t_begin; tile < t_end; tile += TT) {\n", 4)
 ONE_MERGE_STAMPS = (
     ("  VQ_TG float* s_tail = reinterpret_cast<VQ_TG float*>(s_big);\n", 5),
@@ -400,10 +394,7 @@ def one_launch_stamped(src, loop: bool = False, merge: bool = True):
     and two more outputs: `tstamp` (uint32 [group, NSTAMP1 stamps, (low, high) word of the
     globaltimer's ns]) and `smid` (uint32 per group, the SM it ran on)."""
     body = src.body
-    if ONE_STAMPS_WAITING[0][0] in body:  # the exact threadgroup merges while it waits
-        stamps = ONE_STAMPS_WAITING
-    else:
-        stamps = (*ONE_STAMPS, *ONE_MERGE_STAMPS) if merge else ONE_STAMPS
+    stamps = (*ONE_STAMPS, *ONE_MERGE_STAMPS) if merge else ONE_STAMPS
     for text, k in (*stamps, ONE_LOOP_STAMP) if loop else stamps:
         if body.count(text) != 1:
             raise SystemExit(f"the one-launch source no longer has exactly one {text!r}")
@@ -438,7 +429,6 @@ def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int) -> None:
                 hi = max(hi, b)
         busy.append((total + hi - lo) / span)
     counts = np.bincount([len(v) for v in per_sm.values()])
-    waiting = not (ts[..., 5] > 0).any()  # no merge stamps: the exact group merges as it waits
     merge = (merged - done).max(axis=1)  # per KV head: the one group that merged
     last = np.argmax(merged - done, axis=1)
 
@@ -458,14 +448,11 @@ def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int) -> None:
         print(f"        setup (to the loop) {q((loop - start)[coded])}")
         print(f"        tile loop           {q((done - loop)[coded])}")
     print(f"      exact groups' part    {q((done - start)[exact])}  (done at {q(done[exact])})")
-    if waiting:  # from each KV head's last split done to its exact group's merge done
-        print(f"      merge after the last split {q(merged[exact] - done[coded].max(axis=1))}")
-    else:
-        print(f"      merge, last group     {q(merge)}  (the last group is exact in "
-              f"{int((last == n_splits).sum())} of {len(last)} heads)")  # fmt: skip
-        heads = np.arange(len(last))
-        for name, a, b in MERGE_PHASES:  # the merging group's (one per KV head)
-            print(f"        {name:<22}{q((t[..., b] - t[..., a])[heads, last])}")
+    print(f"      merge, last group     {q(merge)}  (the last group is exact in "
+          f"{int((last == n_splits).sum())} of {len(last)} heads)")  # fmt: skip
+    heads = np.arange(len(last))
+    for name, a, b in MERGE_PHASES:  # the merging group's (one per KV head)
+        print(f"        {name:<22}{q((t[..., b] - t[..., a])[heads, last])}")
     print(f"      encode, exact groups  {q((end - merged)[exact])}")
     print(f"      end                   {q(end)}")
 
@@ -525,11 +512,6 @@ def timeline_one(args) -> None:
     import veloxquant.kernels as vk
 
     scale = 1 / math.sqrt(D)
-    if args.cut and getattr(K, "MERGE_WHILE_WAITING", False):
-        raise SystemExit(
-            "--cut edits the last threadgroup's merge; this tree's exact threadgroup merges as "
-            "the splits finish: set kernels.MERGE_WHILE_WAITING = False (a --kernels copy)"
-        )
     for n in args.contexts:
         caches, qs, pend = decode_inputs(n, 1, 1, H, G, D)
         cache = caches[0]

@@ -146,8 +146,7 @@ void vq_emu_run(int gx, int gy, int gz, int threads, int reverse, F&& body) {
   for (int z = 0; z < gz; ++z)
     for (int y = 0; y < gy; ++y)
       for (int i = 0; i < gx; ++i) {
-        // reverse 1: descending; 2: descending but for the last, which runs last
-        const int x = reverse == 2 ? (i + 1 < gx ? gx - 2 - i : gx - 1) : reverse ? gx - 1 - i : i;
+        const int x = reverse ? gx - 1 - i : i;
         f.body = [&](unsigned t) { body(t, (unsigned)x, (unsigned)y, (unsigned)z); };
         for (int t = 0; t < threads; ++t) {
           if (f.stacks[t].size() < stack) f.stacks[t].resize(stack);
@@ -211,22 +210,6 @@ struct vq_dim3 { unsigned x, y, z; };
 inline vq_dim3 blockIdx;
 inline void __syncthreads() { vq_emu_block_barrier(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) { return vq_emu_shfl_xor(v, m); }
-inline unsigned __ballot_sync(unsigned, int pred) {
-  const unsigned lane = vq_emu_tid & 31u, w = vq_emu_tid >> 5;
-  vq_emu.xchg[w][lane] = pred ? 1.0f : 0.0f;
-  vq_emu_warp_barrier();
-  unsigned b = 0;
-  for (unsigned l = 0; l < 32; ++l) b |= vq_emu.xchg[w][l] != 0.0f ? 1u << l : 0u;
-  vq_emu_warp_barrier();
-  return b;
-}
-inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
-// a threadgroup that pauses waits for another one to publish a result; the emulator runs them
-// one at a time, so the one it waits for has either run already or never will
-inline void __nanosleep(unsigned) {
-  vq_emu_stuck("a threadgroup waits for one that has not run (threadgroups run one at a time: "
-               "run the one that waits for the others last)");
-}
 inline float2 make_float2(float a, float b) { return float2(a, b); }
 inline float4 make_float4(float a, float b, float c, float d) { return float4(a, b, c, d); }
 inline void __sincosf(float x, float* s, float* c) { *s = std::sin(x); *c = std::cos(x); }
@@ -491,16 +474,14 @@ def run(
     grid: tuple[int, int, int],
     output_shapes: list[tuple[int, ...]],
     output_dtypes: list[str],
-    reverse: bool | int = False,
+    reverse: bool = False,
     input_dtypes: list[str] | None = None,
 ) -> list[np.ndarray]:
     """Run `source` on numpy inputs (dtypes float32/float16/uint8/int32, or bfloat16 given as
     uint16 bit patterns with name 'bfloat16' in `input_dtypes` (default: each input's numpy
     dtype) or `output_dtypes`); grid counts threadgroups,
     which run one at a time, in grid order (x fastest, descending with `reverse`: kernels whose
-    threadgroups hand over to the last one to finish must work in any order; with `reverse` 2
-    descending but for the last x, which still runs last: a threadgroup that waits for all the
-    others). Outputs are
+    threadgroups hand over to the last one to finish must work in any order). Outputs are
     pre-filled with NaN (or 0xAB bytes) so an unwritten element shows."""
     names = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
     names.update({np.dtype(np.uint8): "uint8", np.dtype(np.int32): "int32"})

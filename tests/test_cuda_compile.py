@@ -68,17 +68,8 @@ def test_the_timeline_stamps_and_cuts_still_apply_and_compile(monkeypatch):
 
     lay = _layout()
     assert K.mma_takes(lay)
+    src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16)
     outs = [*ONE_OUT, U32, U32]  # tstamp, smid
-    # the tail that merges as the splits finish: its split-done and merged
-    # stamps, no merge phases and no cuts (they cut the last threadgroup's merge)
-    monkeypatch.setattr(K, "MERGE_WHILE_WAITING", True)
-    src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16)
-    stamped = ppk.one_launch_stamped(src, loop=True)
-    stamps = len(ppk.ONE_STAMPS_WAITING) + 3  # and the start, the end and the loop's start
-    assert stamped.body.count("VQ_STAMP1(") == stamps + 1  # and the macro's own line
-    _compiles(stamped, ONE_IN, outs)
-    monkeypatch.setattr(K, "MERGE_WHILE_WAITING", False)
-    src = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16)
     for cut in [None, *ppk.ONE_CUTS]:
         cut_src = ppk.one_launch_cut(src, cut)  # SystemExit where a cut no longer matches
         assert cut is None or cut_src.body != src.body

@@ -255,8 +255,6 @@ def _emulated_one_launch(backend: str, a: dict, q, pending, reverse: bool):
     at = {name: ins[i] for i, name in enumerate(src.inputs)}
     before = [at[name].copy() for name in ("key_codes", "value_codes", "win_k", "win_v")]
     pack = at["layer_pack"].copy()
-    if reverse and K.MERGE_WHILE_WAITING:  # the exact threadgroup waits for the coded ones
-        reverse = 2
     _, out = emu.run(src, backend, ins, a["groups"], shapes, ["float32"] * 2, reverse=reverse)
     # the pack as it was: every launch leaves the count (in it) at zero for the next
     np.testing.assert_array_equal(at["layer_pack"], pack)
@@ -454,26 +452,17 @@ def test_emulated_decode_kernels_match_the_twin_on_other_layouts(backend, layout
         out, _, _ = _emulated_attention(backend, c, q, plain, r)
         np.testing.assert_allclose(out, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
         if backend == "cuda" and d <= K.TILE:  # one launch, in either order, its merge
-            # taking the splits 2 at a time (several chunks), with and without the encode; the
-            # exact threadgroup merging as the splits finish (MERGE_WHILE_WAITING)
-            monkeypatch.setattr(K, "MERGE_WHILE_WAITING", True)
+            # taking the splits 2 at a time (several chunks), with and without the encode
             chunk = K.COMBINE_CHUNK
             monkeypatch.setattr(K, "COMBINE_CHUNK", 2)
             one, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             one_e = _emulated_attention(backend, c, q, pending, r, 1, reverse=r == 1)
-            # the last threadgroup's merge (MERGE_WHILE_WAITING off), its rows as float4s and
-            # as scalars: the same sums in the same order; the exact threadgroup's online merge
-            # as the splits finish (the default) agrees with it to rounding
-            assert K.COMBINE_FLOAT4 and K.MERGE_WHILE_WAITING
-            monkeypatch.setattr(K, "MERGE_WHILE_WAITING", False)
-            one_last, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
+            # the merge's rows as scalars, not float4s: the same sums in the same order
+            assert K.COMBINE_FLOAT4
             monkeypatch.setattr(K, "COMBINE_FLOAT4", False)
             one_scalar, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
             monkeypatch.setattr(K, "COMBINE_FLOAT4", True)
-            monkeypatch.setattr(K, "MERGE_WHILE_WAITING", True)
-            np.testing.assert_array_equal(one_scalar, one_last)
-            scale = max(1.0, float(np.abs(one_last).max()))
-            np.testing.assert_allclose(one, one_last, rtol=1e-5, atol=1e-6 * scale)
+            np.testing.assert_array_equal(one_scalar, one)
             assert K.mma_takes(lay, r)  # these layouts take the tensor cores ...
             monkeypatch.setattr(K, "MMA", False)  # ... and the CUDA cores without them
             one_fma, _, _ = _emulated_attention(backend, c, q, plain, r, 1, reverse=r == 4)
@@ -659,8 +648,7 @@ def test_a_step_s_launch_inputs_follow_switches_flipped_between_steps(monkeypatc
         {"ROPE_IN_KERNEL": False},
         {"MMA": False},
         {"WRITE_IN_PLACE": False},
-        {"MERGE_WHILE_WAITING": not K.MERGE_WHILE_WAITING},
-        {"MERGE_WHILE_WAITING": False, "COMBINE_FLOAT4": False},
+        {"COMBINE_FLOAT4": False},
         {"COMBINE_LOADS4": 8},
         {"KEY_ROWS_AHEAD": False},
         {"MMA_MIN_THREADGROUPS": 0},
@@ -1469,8 +1457,7 @@ def test_one_launch_is_cuda_only_and_within_a_tile_of_threads(monkeypatch):
 
     lay = _layout()
     src = K.one_launch_kernel_source(lay, mx.float16, mx.float16)
-    handover = "vq_ready_run" if K.MERGE_WHILE_WAITING else "vq_atomic_inc"
-    assert src.backends == ("cuda",) and handover in src.cuda_body()
+    assert src.backends == ("cuda",) and "vq_atomic_inc" in src.cuda_body()
     with pytest.raises(ValueError, match="written for cuda only"):
         src.metal_body()
     for which, head_dim, want in (("cuda", 128, True), ("metal", 128, False), ("cuda", 256, False)):
@@ -1480,10 +1467,8 @@ def test_one_launch_is_cuda_only_and_within_a_tile_of_threads(monkeypatch):
             with pytest.raises(ValueError, match="written for cuda only"):
                 vk.compiled(src, ("float16",) * len(src.inputs))
     # its arrays (the partial's, grown for the merge and the encoder) over CUDA's limit, where
-    # the partial alone fits: two launches (here the last threadgroup's merge, whose flag takes
-    # it past the partial's: the tail that merges while it waits needs no more than the partial)
+    # the partial alone fits: two launches
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
-    monkeypatch.setattr(K, "MERGE_WHILE_WAITING", False)
     two = K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD)
     assert K.threadgroup_bytes(lay, K.TOKENS_PER_THREAD, True) > two
     monkeypatch.setitem(K.THREADGROUP_LIMIT, "cuda", two)
@@ -1705,8 +1690,7 @@ def test_tensor_core_value_gathers_are_free_of_bank_conflicts_where_the_book_fit
         else:  # four lanes share each copy: 3 or 4 wavefronts at nearly every gather
             assert np.mean(fronts) > 3 and max(fronts) == 4
         one = K.one_launch_kernel_source(lay, mx.float16, mx.float16, r, rope_in=True)
-        assert one.constants["VR16"] == copies
-        assert one.dynamic_shared == K.mma_bytes(lay, r) - K._merge_flag_bytes()
+        assert one.constants["VR16"] == copies and one.dynamic_shared == K.mma_bytes(lay, r) - 4
         tg = K.threadgroup_bytes(lay, r, True, True)
         assert (shared // (tg + 1024) >= K.MMA_MIN_THREADGROUPS) is late, card
 

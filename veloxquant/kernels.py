@@ -32,10 +32,6 @@ The dialect (what a body may use besides plain C arithmetic):
                         value. Metal has no device-scope fence before MSL 3.2, so kernels
                         whose threadgroups hand results to each other within one launch are
                         CUDA-only (`KernelSource.backends`).
-    vq_ready_run(p, n), VQ_PAUSE()  (CUDA only) how many words from p on are nonzero, in a
-                        row (at most 32, none past n; the same in every lane of the SIMD group,
-                        all of whose lanes take part): flags that other threadgroups of the
-                        launch set; and a short sleep between two polls of them
     vq_exp2, VQ_FMAX, VQ_FMIN, VQ_SINCOS(x, s, c) (accurate), VQ_FAST_SINCOS (small angles)
     VQ_FMA(a, b, c), VQ_MUL(a, b)  a * b + c with one rounding, and a * b, that the compiler
                         never fuses with anything (CUDA's __fmaf_rn / __fmul_rn): for sums
@@ -114,12 +110,6 @@ __device__ inline float vq_shfl_xor(float x, int mask) {
 #define vq_load_cg4(p) __ldcg(reinterpret_cast<const float4*>(p))
 #define VQ_DEVICE_FENCE() __threadfence()
 #define vq_atomic_inc(p) atomicAdd((p), 1u)
-__device__ inline int vq_ready_run(const volatile unsigned* p, int n) {
-  const int lane = (int)(threadIdx.x & 31u);
-  const unsigned set = __ballot_sync(0xffffffffu, lane < n && p[lane] != 0u);
-  return set == 0xffffffffu ? 32 : __ffs(~set) - 1;
-}
-#define VQ_PAUSE() __nanosleep(256)
 #endif
 """
 

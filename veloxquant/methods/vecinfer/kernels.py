@@ -1400,9 +1400,9 @@ _EXACT_ROW = """
   }
 """
 
-# The end of the one-launch kernel (CUDA) with MERGE_WHILE_WAITING off: after its partial, each
-# threadgroup counts itself in `counter` [H_kv], and the last of KV head h's n_splits + 1 to
-# finish merges the head's G query heads and sets the count back to 0 for the next launch. The exact
+# The end of the one-launch kernel (CUDA): after its partial, each threadgroup counts itself in
+# `counter` [H_kv], and the last of KV head h's n_splits + 1 to finish merges the head's G query
+# heads and sets the count back to 0 for the next launch. The exact
 # threadgroup, the only one that reads the window ring, then encodes the token leaving it in
 # place (iparams[EP] > 0), as the combine with the encoder does. Both use the codebook copies'
 # threadgroup array, free once the partial is written (BIG4 covers them).
@@ -1631,14 +1631,6 @@ _COMBINE_HEADS = (
   }
 """
 )
-# The one-launch kernel's splits merged by its exact threadgroup as they finish
-# (_ONE_LAUNCH_TAIL_WAITING), not all by the last threadgroup to finish once all are done. Off
-# until it has run on a GPU: the kernel emulator runs threadgroups one at a time, so it checks
-# the merge's sums and the flags' reset but not the flags' hand-over between multiprocessors.
-MERGE_WHILE_WAITING = False
-# Words of each layer pack's split flags (MERGE_WHILE_WAITING): SPLIT_FLAGS // H_kv per KV head,
-# which bounds a one-launch step's splits per KV head.
-SPLIT_FLAGS = 1024
 COMBINE_CHUNK = 128  # CCH: splits whose weights are read at once
 COMBINE_LOADS = 8  # output-row loads in flight per thread (the split loop's unroll x heads)
 # The one-launch merge reads its output rows as float4s, COMBINE_LOADS4 in flight per thread
@@ -1648,33 +1640,6 @@ COMBINE_LOADS = 8  # output-row loads in flight per thread (the split loop's unr
 # compares the two (benchmarks/results/combine-float4-h200.txt).
 COMBINE_FLOAT4 = True
 COMBINE_LOADS4 = 16
-# The value Hadamard's butterfly over a float4 `x` of item i (dims 4 j .. 4 j + 3 of one head,
-# j = i % (D / 4)) when a head's D / 4 items are lanes of one SIMD group: within the item, then
-# shuffles with lane j ^ m (C4HAD)
-_HADAMARD4 = """      const int j = i % (D / 4);
-      float t = x.x;
-      x.x = t + x.y;
-      x.y = t - x.y;
-      t = x.z;
-      x.z = t + x.w;
-      x.w = t - x.w;
-      t = x.x;
-      x.x = t + x.z;
-      x.z = t - x.z;
-      t = x.y;
-      x.y = t + x.w;
-      x.w = t - x.w;
-      VQ_UNROLL
-      for (int m = 1; m < D / 4; m <<= 1) {
-        const float ox = vq_shfl_xor(x.x, m), oy = vq_shfl_xor(x.y, m);
-        const float oz = vq_shfl_xor(x.z, m), ow = vq_shfl_xor(x.w, m);
-        const bool hi = (j & m) != 0;  // the pair's upper element: (lower) - (upper)
-        x.x = hi ? ox - x.x : x.x + ox;
-        x.y = hi ? oy - x.y : x.y + oy;
-        x.z = hi ? oz - x.z : x.z + oz;
-        x.w = hi ? ow - x.w : x.w + ow;
-      }
-"""
 # (text of _COMBINE_HEADS, what replaces it) for COMBINE_FLOAT4: item i < CNH * D / 4 of the
 # rows is head i / (D / 4), dims 4 (i % (D / 4)) + 0..3, thread vq_tid taking items vq_tid,
 # vq_tid + CNT, ... (CP4 of them). C4ALL is true when every thread has all its items, and then
@@ -1723,9 +1688,30 @@ _COMBINE_FLOAT4_EDITS = (
       // the levels past the item's own two are shuffles with lane j ^ m; the same sums in the
       // same order as the butterfly in threadgroup memory, whose log2(D) barriers were about
       // 1.7 us of the merge, the kernel's tail (benchmarks/results/merge-hadamard-h100.txt)
-"""
-        + _HADAMARD4
-        + """    }
+      const int j = i % (D / 4);
+      float t = x.x;
+      x.x = t + x.y;
+      x.y = t - x.y;
+      t = x.z;
+      x.z = t + x.w;
+      x.w = t - x.w;
+      t = x.x;
+      x.x = t + x.z;
+      x.z = t - x.z;
+      t = x.y;
+      x.y = t + x.w;
+      x.w = t - x.w;
+      VQ_UNROLL
+      for (int m = 1; m < D / 4; m <<= 1) {
+        const float ox = vq_shfl_xor(x.x, m), oy = vq_shfl_xor(x.y, m);
+        const float oz = vq_shfl_xor(x.z, m), ow = vq_shfl_xor(x.w, m);
+        const bool hi = (j & m) != 0;  // the pair's upper element: (lower) - (upper)
+        x.x = hi ? ox - x.x : x.x + ox;
+        x.y = hi ? oy - x.y : x.y + oy;
+        x.z = hi ? oz - x.z : x.z + oz;
+        x.w = hi ? ow - x.w : x.w + ow;
+      }
+    }
     if (C4ALL || i < CNH * (D / 4)) {
       VQ_TG float* row = s_ch + (i / (D / 4)) * D + 4 * (i % (D / 4));
       row[0] = x.x;
@@ -1770,159 +1756,6 @@ def _combine_statements(first: str, heads: int, threads: int, head_dim: int, scr
     names = "|".join(sizes)
     body = re.sub(rf"\b({names})\b", lambda m: str(sizes[m.group(1)]), body)
     return body.replace("COMBINE_FIRST", first).replace("COMBINE_SCRATCH", scratch)
-
-
-# The one-launch kernel's end with MERGE_WHILE_WAITING: each coded threadgroup, its partial
-# written, sets its split's flag in the pack (`split_flags`, FS per KV head); the exact
-# threadgroup, done with its own part (sinks, window, new tokens) long before the coded splits,
-# encodes the token leaving the window, then merges the splits as their flags come up
-# (_COMBINE_WAITING) and sets the flags back at zero for the next launch. The merge that is left
-# once the last split is done is that split's rows: where the last threadgroup to finish merged
-# every split, the kernel's tail with the other multiprocessors idle (one-launch-tail-h100.txt).
-# The exact threadgroup has the highest x of its KV head's row of the grid, so it waits only for
-# threadgroups that start before it (as CUB's decoupled look-back does).
-_ONE_LAUNCH_TAIL_WAITING = """
-  VQ_DEVICE_FENCE();  // this thread's part writes, device-wide before its split's flag
-  VQ_BARRIER();
-  VQ_TG float* s_tail = reinterpret_cast<VQ_TG float*>(s_big);
-  VQ_GLOBAL uint32_t* flags = const_cast<VQ_GLOBAL uint32_t*>(split_flags) + h * FS;
-  if (split < n_splits) {
-    if (vq_tid == 0) *reinterpret_cast<volatile VQ_GLOBAL uint32_t*>(flags + split) = 1u;
-  } else {
-    if (iparams[EP] > 0) {
-      VQ_TG float* s_x = s_tail;
-      VQ_TG float* s_best = s_tail + D;
-      VQ_TG uint* s_arg = reinterpret_cast<VQ_TG uint*>(s_tail + 2 * D);
-      VQ_TG uint* s_code = reinterpret_cast<VQ_TG uint*>(s_tail + 3 * D);
-      VQ_TG float* s_book = s_tail + 3 * D + (KM > VM ? KM : VM);
-      {
-ENCODE
-      }
-      VQ_BARRIER();
-    }
-COMBINE
-    // the flags back at zero for the next launch (every thread has read them: the merge's last
-    // barrier)
-    for (int s = (int)vq_tid; s < n_splits; s += TILE) flags[s] = 0u;
-  }
-"""
-
-# The exact threadgroup's merge of KV head h's G query heads with MERGE_WHILE_WAITING: item
-# i = vq_tid + k TILE (WP4 of them per thread) is head i / (D / 4), dims 4 (i % (D / 4)) + 0..3,
-# as in the float4 merge. Each SIMD group polls the flags of the next 32 splits and merges the
-# ones done in a row, in split order, as an online softmax over the splits: the running max
-# starts at the exact part's, and every thread of a head makes the same updates in the same
-# order, so its max and sum agree across the head's SIMD groups whatever each group's runs.
-# Then the value Hadamard (in registers where a head's items are lanes of one SIMD group, else
-# in threadgroup memory), the value scale and mean, and the exact part, as _COMBINE_HEADS ends.
-_COMBINE_WAITING = (
-    """
-  {
-  const int hq0 = h * G;
-  float mrun[WP4], lrun[WP4], mex[WP4], lex[WP4];
-  float4 acc4[WP4], oex[WP4];
-  VQ_UNROLL
-  for (int k = 0; k < WP4; ++k) {
-    const int i = min((int)vq_tid + k * TILE, G * (D / 4) - 1);  // past the items: the last again
-    const int g = i / (D / 4), dd = 4 * (i % (D / 4));
-    mex[k] = vq_load_cg(part_m + n_splits * HQ + hq0 + g);  // the exact part (this group's own)
-    lex[k] = vq_load_cg(part_l + n_splits * HQ + hq0 + g);
-    oex[k] = vq_load_cg4(part_o + (n_splits * HQ + hq0 + g) * D + dd);
-    mrun[k] = mex[k];
-    lrun[k] = 0.0f;
-    acc4[k] = VQ_F4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-  for (int next = 0; next < n_splits;) {
-    const int run = vq_ready_run(flags + next, n_splits - next);
-    if (run == 0) {
-      VQ_PAUSE();
-      continue;
-    }
-    VQ_DEVICE_FENCE();  // the flags read before the parts their threadgroups wrote
-    VQ_UNROLL_BY(WPU)
-    for (int s = next; s < next + run; ++s) {
-      VQ_UNROLL
-      for (int k = 0; k < WP4; ++k) {
-        const int i = min((int)vq_tid + k * TILE, G * (D / 4) - 1);
-        const int g = i / (D / 4);
-        const float m = vq_load_cg(part_m + s * HQ + hq0 + g);
-        const float l = vq_load_cg(part_l + s * HQ + hq0 + g);
-        const float4 o = vq_load_cg4(part_o + (s * HQ + hq0 + g) * D + 4 * (i % (D / 4)));
-        const float mn = VQ_FMAX(mrun[k], m);
-        const float a = vq_exp2(mrun[k] - mn), w = vq_exp2(m - mn);
-        mrun[k] = mn;
-        lrun[k] = lrun[k] * a + w * l;
-        acc4[k] = VQ_F4(acc4[k].x * a + w * o.x, acc4[k].y * a + w * o.y,
-                        acc4[k].z * a + w * o.z, acc4[k].w * a + w * o.w);
-      }
-    }
-    next += run;
-  }
-  VQ_TG float* s_ch = s_tail;  // [G][D] the merged value sums (the butterfly in memory)
-  VQ_UNROLL
-  for (int k = 0; k < WP4; ++k) {
-    const int i = (int)vq_tid + k * TILE;
-    float4 x = acc4[k];
-    if (VHAD && C4HAD) {
-"""
-    + _HADAMARD4
-    + """    }
-    acc4[k] = x;
-    if (VHAD && !C4HAD && i < G * (D / 4)) {
-      VQ_TG float* row = s_ch + (i / (D / 4)) * D + 4 * (i % (D / 4));
-      row[0] = x.x;
-      row[1] = x.y;
-      row[2] = x.z;
-      row[3] = x.w;
-    }
-  }
-  if (VHAD && !C4HAD) {
-    VQ_BARRIER();
-    for (int len = 1; len < D; len <<= 1) {
-      for (int j = (int)vq_tid; j < G * (D / 2); j += TILE) {
-        const int p = j % (D / 2);
-        const int i = (j / (D / 2)) * D + (p / len) * 2 * len + (p % len);
-        const float a = s_ch[i], b = s_ch[i + len];
-        s_ch[i] = a + b;
-        s_ch[i + len] = a - b;
-      }
-      VQ_BARRIER();
-    }
-  }
-  VQ_UNROLL
-  for (int k = 0; k < WP4; ++k) {
-    const int i = (int)vq_tid + k * TILE;
-    if (i < G * (D / 4)) {
-      const int g = i / (D / 4), dd = 4 * (i % (D / 4));
-      const float wf = vq_exp2(mex[k] - mrun[k]);
-      const float lc = lrun[k];
-      const float den = lc + wf * lex[k];
-      float v[4] = {acc4[k].x, acc4[k].y, acc4[k].z, acc4[k].w};
-      const float o[4] = {oex[k].x, oex[k].y, oex[k].z, oex[k].w};
-      VQ_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        float y = (VHAD && !C4HAD ? s_ch[g * D + dd + e] : v[e]) * (VHAD ? INV_SQRT_D : 1.0f);
-        if (VSMOOTH) y *= static_cast<float>(value_smooth[h * D + dd + e]);
-        if (VMEAN) y += static_cast<float>(value_mean[h * D + dd + e]) * lc;
-        out[(hq0 + g) * D + dd + e] = static_cast<OUT_T>((y + wf * o[e]) / den);
-      }
-    }
-  }
-  VQ_BARRIER();
-  }
-"""
-)
-
-
-def _combine_waiting_statements(heads: int, threads: int, head_dim: int) -> str:
-    """_COMBINE_WAITING for `heads` query heads merged by `threads` threads, its sizes written in
-    as literals."""
-    per_thread4 = -(-heads * head_dim // 4 // threads)  # WP4
-    whole = head_dim % 4 == 0 and 32 % (head_dim // 4) == 0 and threads % 32 == 0
-    sizes = {"WP4": per_thread4, "WPU": max(1, COMBINE_LOADS4 // per_thread4)}
-    sizes["C4HAD"] = "true" if whole else "false"
-    names = "|".join(sizes)
-    return re.sub(rf"\b({names})\b", lambda m: str(sizes[m.group(1)]), _COMBINE_WAITING)
 
 
 # The nearest codeword of each of the NM sub-vectors of s_x (NSD dims each) into s_code: NS
@@ -2168,9 +2001,8 @@ def _round4(n: int) -> int:
 
 def threadgroup_bytes(lay: Layout, r: int, one_launch: bool = False, rope_in: bool = False) -> int:
     """Threadgroup memory of the partial kernel (Apple GPUs allow 32 KB), or of the one-launch
-    kernel: its codebook array is at least `one_launch_big4`, and the tail's flag where it has
-    one (`mma_bytes` where it runs its coded tokens on the tensor cores), and with `rope_in` the
-    RoPE table."""
+    kernel: its codebook array is at least `one_launch_big4`, and a flag (`mma_bytes` where
+    it runs its coded tokens on the tensor cores), and with `rope_in` the RoPE table."""
     rope = 4 * lay.head_dim if rope_in else 0  # _ROPE_IN_TABLE
     if one_launch and mma_takes(lay, r):
         return mma_bytes(lay, r) + rope
@@ -2181,7 +2013,7 @@ def threadgroup_bytes(lay: Layout, r: int, one_launch: bool = False, rope_in: bo
     floats = lay.group * lay.head_dim + c["KM"] * c["QS"] + phase + c["PBUF"]
     floats += 4 * big4 + 3 * lay.group + c["NWARPS"] * lay.group
     books = c["VCODES"] * c["VREP"] * lay.value_sub_dim * 4
-    return 4 * floats + books + (_merge_flag_bytes() if one_launch else 0) + rope
+    return 4 * floats + books + (4 if one_launch else 0) + rope
 
 
 def one_launch_big4(lay: Layout, big4: int) -> int:
@@ -2365,19 +2197,13 @@ def _mma_array_bytes(lay: Layout, r: int, c: dict[str, Any]) -> int:
 
 def mma_bytes(lay: Layout, r: int) -> int:
     """Threadgroup memory of the one-launch kernel on the tensor cores: `_MMA_SHARED`'s arrays
-    in dynamic shared memory, and the last threadgroup's flag (`_merge_flag_bytes`)."""
-    return _mma_array_bytes(lay, r, _mma_constants(lay, r)) + _merge_flag_bytes()
+    in dynamic shared memory, and the merge's flag."""
+    return _mma_array_bytes(lay, r, _mma_constants(lay, r)) + 4
 
 
 def _mma_compact_bytes(lay: Layout, r: int) -> int:
     """`mma_bytes` with the compact value book (MMA_VALUE_BOOK_BYTES)."""
-    return _mma_array_bytes(lay, r, _mma_constants(lay, r, compact=True)) + _merge_flag_bytes()
-
-
-def _merge_flag_bytes() -> int:
-    """The one-launch tail's threadgroup flag (`s_last` of _ONE_LAUNCH_TAIL: whether this is
-    the last threadgroup); the tail that merges while it waits has none."""
-    return 0 if MERGE_WHILE_WAITING else 4
+    return _mma_array_bytes(lay, r, _mma_constants(lay, r, compact=True)) + 4
 
 
 def _dynamic_arrays(shared: str) -> str:
@@ -2530,7 +2356,6 @@ PACK_TYPES = {"float32": np.float32, "float16": np.float16, "uint32": np.uint32,
 _ONE_LAUNCH_PACK = """
   const float* fparams = reinterpret_cast<const float*>(layer_pack + OFF_FPARAMS);
   const uint32_t* counter = layer_pack + OFF_COUNTER;
-  const uint32_t* split_flags = layer_pack + OFF_SPLIT_FLAGS;
   const HALF_T* key_book = reinterpret_cast<const HALF_T*>(layer_pack + OFF_KEY_BOOK);
   const HALF_T* value_book = reinterpret_cast<const HALF_T*>(layer_pack + OFF_VALUE_BOOK);
   const HALF_T* smooth = reinterpret_cast<const HALF_T*>(layer_pack + OFF_SMOOTH);
@@ -2567,7 +2392,6 @@ def pack_segments(lay: Layout, r: int | None = None) -> dict[str, tuple[int, int
     sizes = {
         "fparams": (8, "float32"),
         "counter": (max(8, h), "uint32"),
-        "split_flags": (SPLIT_FLAGS, "uint32"),
         "key_book": (lay.key_books * (1 << lay.key_bits) * lay.key_sub_dim, "float16"),
         "value_book": (lay.value_books * (1 << lay.value_bits) * lay.value_sub_dim, "float16"),
         "smooth": (hd, "float16"),
@@ -2630,7 +2454,7 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
         segments = pack_segments(lay, r)
         pack = np.zeros(segments["end"][0] * 4, np.uint8)
         for name, (off, n, dtype) in segments.items():
-            if not n or name in ("counter", "split_flags"):
+            if not n or name == "counter":
                 continue
             x = np.array(arrays[name].astype(getattr(mx, dtype))).reshape(-1)
             if x.size != n:
@@ -2751,27 +2575,22 @@ def one_launch_kernel_source(
     if rope_in and not lay.center:
         raise ValueError("rope_in needs a layout with the key mean (a cache with the RoPE)")
     key = ("one_launch", lay, str(out_dtype), str(window_dtype), r, COMBINE_CHUNK, mma)
-    key += (COMBINE_FLOAT4, COMBINE_LOADS, COMBINE_LOADS4, KEY_ROWS_AHEAD, MERGE_WHILE_WAITING)
+    key += (COMBINE_FLOAT4, COMBINE_LOADS, COMBINE_LOADS4, KEY_ROWS_AHEAD)
     key += (MMA_MIN_THREADGROUPS, rope_in, MMA_VALUE_BOOK_BYTES)
     key += (_card_shared_memory() if mma else None,)
     if key not in _SOURCES:
         partial = attention_kernel_sources(lay, out_dtype, r)[0]
         if mma:  # the same kernel with its coded tokens on the tensor cores
             constants = {**partial.constants, **_mma_constants(lay, r), "BIG4": _mma_big4(lay, r)}
-            constants["DYN4"] = (mma_bytes(lay, r) - _merge_flag_bytes()) // 16
+            constants["DYN4"] = (mma_bytes(lay, r) - 4) // 16
             body = _EXACT_ROW + _MMA_BODY.replace(_MMA_SHARED, _dynamic_arrays(_MMA_SHARED))
             helpers = partial.helpers + _MMA_HELPERS
             partial = replace(partial, body=body, constants=constants, helpers=helpers)
             partial = replace(partial, min_threadgroups=MMA_MIN_THREADGROUPS)
+        combine = _combine_statements("h * G", lay.group, TILE, lay.head_dim, "s_tail")
         encode = _encode_statements("0", "(int)vq_gy", in_place=True)
         encode = re.sub(r"\bk_in\b", "win_k", re.sub(r"\bv_in\b", "win_v", encode))
-        if MERGE_WHILE_WAITING:
-            combine = _combine_waiting_statements(lay.group, TILE, lay.head_dim)
-            tail = _ONE_LAUNCH_TAIL_WAITING
-        else:
-            combine = _combine_statements("h * G", lay.group, TILE, lay.head_dim, "s_tail")
-            tail = _ONE_LAUNCH_TAIL
-        tail = tail.replace("COMBINE", combine).replace("ENCODE", encode)
+        tail = _ONE_LAUNCH_TAIL.replace("COMBINE", combine).replace("ENCODE", encode)
         splits = "  const int n_splits = T > 0 ? (T + tps - 1) / tps : 0;\n"
         assert partial.body.count(splits) == 1
         body = partial.body.replace(splits, splits + _ONE_LAUNCH_PARTS)
@@ -2797,7 +2616,6 @@ def one_launch_kernel_source(
                 "WIN_T": window_dtype,
                 "EP": ENCODE_PARAM,
                 "ROPE_POS": ROPE_POS_PARAM,
-                "FS": SPLIT_FLAGS // lay.n_kv_heads,
                 "HALF_T": mx.float16,
             },
             threads=TILE,
@@ -3234,11 +3052,7 @@ def attention_inputs(
     rope_in = step["may_rotate"] and _rotates(queries, pending)
     n_coded = int(pending["n_coded"])
     # the splits fill one wave of the launch's threadgroups: as many as the card holds at once
-    # (one launch: no more per KV head than the pack has split flags)
-    target = target_groups(step["group_bytes"][rope_in])
-    if one:
-        target = min(target, SPLIT_FLAGS // h * h)
-    tps = split_tokens(n_coded, h, r, target)
+    tps = split_tokens(n_coded, h, r, target_groups(step["group_bytes"][rope_in]))
     n_splits = -(-n_coded // tps) if n_coded else 0
     if kbuf is None:  # nothing coded, and nothing to write
         kbuf, vbuf = step["no_codes"]
@@ -3337,7 +3151,6 @@ def _step_kind(
         None if win is None else (win[0].dtype, win[1].dtype),
         nk.dtype, nv.dtype, None if last is None else last.dtype,
         MMA, TILE, COMBINE_CHUNK, COMBINE_FLOAT4, COMBINE_LOADS, COMBINE_LOADS4, KEY_ROWS_AHEAD,
-        MERGE_WHILE_WAITING,
         WRITE_IN_PLACE, ONE_LAUNCH, ROPE_IN_KERNEL, THREADGROUP_LIMIT["cuda"], MMA_VALUE_BOOK_BYTES,
         MMA_MIN_THREADGROUPS, _card_shared_memory() if ONE_LAUNCH and MMA else None,
     )  # fmt: skip
