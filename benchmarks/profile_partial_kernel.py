@@ -33,8 +33,10 @@ default layout, the synthetic caches of bench_kernels.py).
   max, warm and with L2 flushed (`--constants TARGET_GROUPS=1056` and the like override the
   kernels module's settings, `--kernels PATH` runs another revision's kernels.py, `--cut
   no-merge` times the kernel without its merge (its output then wrong), `--cut no-rows` and
-  `--cut no-hadamard` without the merge's output-row loads or its value Hadamard, and `--cut
-  one-fence` with one thread fencing before the count).
+  `--cut no-hadamard` without the merge's output-row loads or its value Hadamard, `--cut
+  one-fence` with one thread fencing before the count, and `--setup` the coded groups' setup
+  in phases: its loads to q~, q~'s barrier, the phase setup's sines and cosines, the W product,
+  the value book and the first rows; SETUP_STAMPS).
 - `tiles`: three calls per (threads per threadgroup, tokens per thread) setting, for a
   profiler; prints each setting's kernel name (to match the profiler's rows) and its output's
   largest difference from the default setting's.
@@ -372,6 +374,27 @@ ONE_MERGE_STAMPS = (
     ("    // each head's sum, by one SIMD group", 8),
 )
 NSTAMP1 = 9
+# With --setup, the coded threadgroups' setup in steps (the tensor-core path with the key mean:
+# the default layout): 9 its own statements begin (the iparams read), 10 q~ formed in registers
+# (the query, smoothing and codebook loads landed), 11 past q~'s barrier, 12 past the phase
+# setup's sines and cosines and their barrier, 13 past the W product's barrier; then the loop
+# (4). Its phases are printed from stamp to stamp.
+SETUP_STAMPS = (
+    ("    float qx[GW][QE], sx[QE];\n", 9),
+    ("    if (QS > G * KD) {  // the padding", 10),
+    ("    const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;\n    // mma's k", 11),
+    ("      for (int i = (int)vq_tid; i < NJ * G; i += TILE) {", 12),
+    ("    if (VBLATE) {  // s_q and s_qt are read", 13),
+)
+NSTAMP1_SETUP = 14
+SETUP_PHASES = (  # (name, stamp from, stamp to) of each coded group
+    ("to its statements", 0, 9),
+    ("loads, q~ in registers", 9, 10),
+    ("q~ stored, barrier", 10, 11),
+    ("phase sincos, barrier", 11, 12),
+    ("W product, barrier", 12, 13),
+    ("value book, first rows", 13, 4),
+)
 MERGE_PHASES = (  # (name, stamp from, stamp to) of the merging group
     ("fence and count", 1, 5),
     ("maxima and sums loaded", 5, 6),
@@ -388,13 +411,16 @@ _ONE_STAMP_MACRO = r"""
 """
 
 
-def one_launch_stamped(src, loop: bool = False, merge: bool = True):
+def one_launch_stamped(src, loop: bool = False, merge: bool = True, setup: bool = False):
     """The one-launch KernelSource `src` with the stamps of ONE_STAMPS and (with `merge`)
-    ONE_MERGE_STAMPS (and with `loop` the tile loop's start, stamp 4: the tensor-core path only)
-    and two more outputs: `tstamp` (uint32 [group, NSTAMP1 stamps, (low, high) word of the
-    globaltimer's ns]) and `smid` (uint32 per group, the SM it ran on)."""
+    ONE_MERGE_STAMPS (and with `loop` the tile loop's start, stamp 4: the tensor-core path only;
+    with `setup` also SETUP_STAMPS) and two more outputs: `tstamp` (uint32 [group, NSTAMP1
+    stamps (NSTAMP1_SETUP with `setup`), (low, high) word of the globaltimer's ns]) and `smid`
+    (uint32 per group, the SM it ran on)."""
     body = src.body
     stamps = (*ONE_STAMPS, *ONE_MERGE_STAMPS) if merge else ONE_STAMPS
+    if setup:
+        stamps = (*stamps, *SETUP_STAMPS)
     for text, k in (*stamps, ONE_LOOP_STAMP) if loop else stamps:
         if body.count(text) != 1:
             raise SystemExit(f"the one-launch source no longer has exactly one {text!r}")
@@ -404,7 +430,7 @@ def one_launch_stamped(src, loop: bool = False, merge: bool = True):
         '    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));\n'
         "    smid[(int)vq_gy * (int)gridDim.x + (int)vq_gx] = sm_;\n  }\n"
     )
-    macro = _ONE_STAMP_MACRO.replace("NSTAMP1", str(NSTAMP1))
+    macro = _ONE_STAMP_MACRO.replace("NSTAMP1", str(NSTAMP1_SETUP if setup else NSTAMP1))
     body = macro + "  VQ_STAMP1(0);\n" + sm + body + "\n  VQ_STAMP1(3);\n"
     return dataclasses.replace(src, outputs=(*src.outputs, "tstamp", "smid"), body=body)
 
@@ -455,6 +481,10 @@ def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int) -> None:
         print(f"        {name:<22}{q((t[..., b] - t[..., a])[heads, last])}")
     print(f"      encode, exact groups  {q((end - merged)[exact])}")
     print(f"      end                   {q(end)}")
+    if ts.shape[-1] == NSTAMP1_SETUP:  # --setup: the coded groups' setup, stamp to stamp
+        print("      the coded groups' setup:")
+        for name, a, b in SETUP_PHASES:
+            print(f"        {name:<22}{q((t[..., b] - t[..., a])[coded])}")
 
 
 # timeline-one --cut: text of the one-launch source and what replaces it (timing only: "no-merge"
@@ -521,10 +551,14 @@ def timeline_one(args) -> None:
             raise SystemExit("the step is two launches here (kernels.ONE_LAUNCH off?)")
         src = a["sources"][0]
         src = one_launch_cut(src, args.cut)
-        src = one_launch_stamped(src, loop=K.mma_takes(K.layout_of(cache, H * G), a["r"]))
+        mma = K.mma_takes(K.layout_of(cache, H * G), a["r"])
+        if args.setup and not mma:
+            raise SystemExit("--setup stamps the tensor-core path's setup (kernels.MMA off?)")
+        src = one_launch_stamped(src, loop=mma, setup=args.setup)
         kernel = vk.compiled(src, tuple(str(x.dtype) for x in a["partial"]))
         n_groups = a["groups"][0] * a["groups"][1]
-        stamps = (n_groups * 2 * NSTAMP1,)
+        n_stamps = NSTAMP1_SETUP if args.setup else NSTAMP1
+        stamps = (n_groups * 2 * n_stamps,)
         shapes = [*K.one_launch_shapes(a, qs[0].shape[1], D), stamps, (n_groups,)]
         dtypes = [mx.float32, qs[0].dtype, mx.uint32, mx.uint32]
         for cold in (False, True):
@@ -534,7 +568,7 @@ def timeline_one(args) -> None:
             st = (
                 np.array(outs[2])
                 .astype(np.int64)
-                .reshape(a["groups"][1], a["groups"][0], NSTAMP1, 2)
+                .reshape(a["groups"][1], a["groups"][0], n_stamps, 2)
             )
             ts = st[..., 0] + (st[..., 1] << 32)
             sm = np.array(outs[3]).reshape(a["groups"][1], a["groups"][0])
@@ -586,6 +620,7 @@ def main() -> None:
     p.add_argument("--constants", nargs="*", default=[], help="timeline: NAME=INT overrides")
     p.add_argument("--cut", choices=list(ONE_CUTS), help="timeline-one: a cut of its source")
     p.add_argument("--kernels", help="timeline-one: another revision's vecinfer kernels.py")
+    p.add_argument("--setup", action="store_true", help="timeline-one: the setup's phases too")
     args = p.parse_args()
     if backend() is None:
         raise SystemExit("no GPU kernel backend: the kernels cannot run here")
