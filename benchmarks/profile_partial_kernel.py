@@ -387,6 +387,13 @@ SETUP_STAMPS = (
     ("    if (VBLATE) {  // s_q and s_qt are read", 13),
 )
 NSTAMP1_SETUP = 14
+
+
+def stamp_count(setup: bool) -> int:
+    """Slots of a group's row of `tstamp`: NSTAMP1, or NSTAMP1_SETUP with the setup's stamps."""
+    return NSTAMP1_SETUP if setup else NSTAMP1
+
+
 SETUP_PHASES = (  # (name, stamp from, stamp to) of each coded group
     ("to its statements", 0, 9),
     ("loads, q~ in registers", 9, 10),
@@ -430,7 +437,7 @@ def one_launch_stamped(src, loop: bool = False, merge: bool = True, setup: bool 
         '    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));\n'
         "    smid[(int)vq_gy * (int)gridDim.x + (int)vq_gx] = sm_;\n  }\n"
     )
-    macro = _ONE_STAMP_MACRO.replace("NSTAMP1", str(NSTAMP1_SETUP if setup else NSTAMP1))
+    macro = _ONE_STAMP_MACRO.replace("NSTAMP1", str(stamp_count(setup)))
     body = macro + "  VQ_STAMP1(0);\n" + sm + body + "\n  VQ_STAMP1(3);\n"
     return dataclasses.replace(src, outputs=(*src.outputs, "tstamp", "smid"), body=body)
 
@@ -476,15 +483,19 @@ def _report_one_launch(ts: np.ndarray, sm: np.ndarray, n_splits: int) -> None:
     print(f"      exact groups' part    {q((done - start)[exact])}  (done at {q(done[exact])})")
     print(f"      merge, last group     {q(merge)}  (the last group is exact in "
           f"{int((last == n_splits).sum())} of {len(last)} heads)")  # fmt: skip
-    heads = np.arange(len(last))
-    for name, a, b in MERGE_PHASES:  # the merging group's (one per KV head)
-        print(f"        {name:<22}{q((t[..., b] - t[..., a])[heads, last])}")
+    _print_phases(t, MERGE_PHASES, (np.arange(len(last)), last), q)  # the merging groups
     print(f"      encode, exact groups  {q((end - merged)[exact])}")
     print(f"      end                   {q(end)}")
     if ts.shape[-1] == NSTAMP1_SETUP:  # --setup: the coded groups' setup, stamp to stamp
         print("      the coded groups' setup:")
-        for name, a, b in SETUP_PHASES:
-            print(f"        {name:<22}{q((t[..., b] - t[..., a])[coded])}")
+        _print_phases(t, SETUP_PHASES, coded, q)
+
+
+def _print_phases(t: np.ndarray, phases: tuple, pick, q) -> None:
+    """Each (name, stamp from, stamp to) of `phases` over the groups `pick` of t[h, group,
+    stamp], summarised by `q`."""
+    for name, a, b in phases:
+        print(f"        {name:<22}{q((t[..., b] - t[..., a])[pick])}")
 
 
 # timeline-one --cut: text of the one-launch source and what replaces it (timing only: "no-merge"
@@ -557,7 +568,7 @@ def timeline_one(args) -> None:
         src = one_launch_stamped(src, loop=mma, setup=args.setup)
         kernel = vk.compiled(src, tuple(str(x.dtype) for x in a["partial"]))
         n_groups = a["groups"][0] * a["groups"][1]
-        n_stamps = NSTAMP1_SETUP if args.setup else NSTAMP1
+        n_stamps = stamp_count(args.setup)
         stamps = (n_groups * 2 * n_stamps,)
         shapes = [*K.one_launch_shapes(a, qs[0].shape[1], D), stamps, (n_groups,)]
         dtypes = [mx.float32, qs[0].dtype, mx.uint32, mx.uint32]
