@@ -375,15 +375,20 @@ ONE_MERGE_STAMPS = (
 )
 NSTAMP1 = 9
 # With --setup, the coded threadgroups' setup in steps (the tensor-core path with the key mean:
-# the default layout): 9 its own statements begin (the iparams read), 10 q~ formed in registers
-# (the query, smoothing and codebook loads landed), 11 past q~'s barrier, 12 past the phase
-# setup's sines and cosines and their barrier, 13 past the W product's barrier; then the loop
-# (4). Its phases are printed from stamp to stamp.
+# the default layout): 9 its own statements begin (its global reads issued from here), 10 the
+# codebooks stored (their loads landed), 11 the phase setup's sines and cosines stored (and with
+# --rope-in the RoPE table filled, and its barrier passed), 12 q~ formed, past its barrier,
+# 13 past the W product's barrier; then the loop (4). Its phases are printed from stamp to
+# stamp.
 SETUP_STAMPS = (
-    ("    float qx[GW][QE], sx[QE];\n", 9),
-    ("    if (QS > G * KD) {  // the padding", 10),
-    ("    const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;\n    // mma's k", 11),
-    ("      for (int i = (int)vq_tid; i < NJ * G; i += TILE) {", 12),
+    ("    float qx[GW][QE],", 9),
+    ("    if (CENTER) {\n      for (int i = (int)vq_tid; i < 2 * (PC + NPC) * 32; i += TILE)", 10),
+    (
+        "    VQ_UNROLL\n    for (int gi = 0; gi < GW; ++gi) {\n      const int g = (int)vq_warp + "
+        "gi * NWARPS;\n      if (g < G) {",
+        11,
+    ),
+    ("    // the B fragments, the same for every SIMD group", 12),
     ("    if (VBLATE) {  // s_q and s_qt are read", 13),
 )
 NSTAMP1_SETUP = 14
@@ -396,9 +401,9 @@ def stamp_count(setup: bool) -> int:
 
 SETUP_PHASES = (  # (name, stamp from, stamp to) of each coded group
     ("to its statements", 0, 9),
-    ("loads, q~ in registers", 9, 10),
-    ("q~ stored, barrier", 10, 11),
-    ("phase sincos, barrier", 11, 12),
+    ("loads landed, books stored", 9, 10),
+    ("phase sincos (RoPE table)", 10, 11),
+    ("q~ formed, barrier", 11, 12),
     ("W product, barrier", 12, 13),
     ("value book, first rows", 13, 4),
 )
@@ -557,7 +562,11 @@ def timeline_one(args) -> None:
         caches, qs, pend = decode_inputs(n, 1, 1, H, G, D)
         cache = caches[0]
         cache._reserve_codes(1)  # the launch encodes in place, as fused_attention makes room
+        if args.rope_in:  # the step's query and key unrotated, at the context's position
+            pend[0]["rotate"] = (qs[0], pend[0]["new"][0], n)
         a = K.attention_inputs(cache, qs[0], scale, pend[0])
+        if args.rope_in and not a["rope_in"]:
+            raise SystemExit("--rope-in: this step's launch does not rotate (no key mean?)")
         if len(a["sources"]) != 1:
             raise SystemExit("the step is two launches here (kernels.ONE_LAUNCH off?)")
         src = a["sources"][0]
@@ -632,6 +641,11 @@ def main() -> None:
     p.add_argument("--cut", choices=list(ONE_CUTS), help="timeline-one: a cut of its source")
     p.add_argument("--kernels", help="timeline-one: another revision's vecinfer kernels.py")
     p.add_argument("--setup", action="store_true", help="timeline-one: the setup's phases too")
+    p.add_argument(
+        "--rope-in",
+        action="store_true",
+        help="timeline-one: the launch rotates the step's query and key (as in decode steps)",
+    )
     args = p.parse_args()
     if backend() is None:
         raise SystemExit("no GPU kernel backend: the kernels cannot run here")

@@ -76,13 +76,16 @@ def test_the_timeline_stamps_and_cuts_still_apply_and_compile(monkeypatch):
         stamped = ppk.one_launch_stamped(cut_src, loop=True)
         assert stamped.body.count("VQ_STAMP1(") == ppk.NSTAMP1 + 1  # and the macro's own line
         _compiles(stamped, ONE_IN, outs)
-    # --setup: the setup's stamps too, each slot once, in the order the setup runs them
-    stamped = ppk.one_launch_stamped(src, loop=True, setup=True)
-    assert stamped.body.count("VQ_STAMP1(") == ppk.NSTAMP1_SETUP + 1
-    at = {k: stamped.body.index(f"VQ_STAMP1({k});") for k in range(ppk.NSTAMP1_SETUP)}
-    order = [k for _, k, _ in ppk.SETUP_PHASES] + [ppk.SETUP_PHASES[-1][2]]
-    assert sorted(order, key=at.get) == order
-    _compiles(stamped, ONE_IN, outs)
+    # --setup: the setup's stamps too, each slot once, in the order the setup runs them, with
+    # the model's rotation and rotating the step's query and key itself (--rope-in)
+    rotating = K.one_launch_kernel_source(lay, mx.bfloat16, mx.bfloat16, rope_in=True)
+    for one in (src, rotating):
+        stamped = ppk.one_launch_stamped(one, loop=True, setup=True)
+        assert stamped.body.count("VQ_STAMP1(") == ppk.NSTAMP1_SETUP + 1
+        at = {k: stamped.body.index(f"VQ_STAMP1({k});") for k in range(ppk.NSTAMP1_SETUP)}
+        order = [k for _, k, _ in ppk.SETUP_PHASES] + [ppk.SETUP_PHASES[-1][2]]
+        assert sorted(order, key=at.get) == order
+        _compiles(stamped, ONE_IN, outs)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])

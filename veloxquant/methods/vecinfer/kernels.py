@@ -857,32 +857,49 @@ VQ_FN uint32_t vq_book16_word(const VQ_GLOBAL unsigned short* bits, int c, int w
   const uint32_t hi = SD > 2 * w + 1 ? (uint32_t)bits[c * SD + 2 * w + 1] << 16 : 0u;
   return (uint32_t)bits[c * SD + 2 * w] | hi;
 }
-template <int CODES, int REPS, int SD, int EW, class H>
-VQ_FN void vq_book16(VQ_TG uint32_t* dst, const VQ_GLOBAL H* book, int tid, int threads) {
-  if (SD == 2 * EW && REPS * EW % 4 == 0) {
-    // entries of whole words: each thread loads whole entries, all its loads at once (a
-    // constant trip count, unrolled; half by half in a rolled loop they were rounds of 16-bit
-    // loads to L2, the top stall before the tile loop), and stores 4 words of copies at a time
-    const VQ_GLOBAL uint32_t* words = reinterpret_cast<const VQ_GLOBAL uint32_t*>(book);
-    VQ_TG uint4* dst4 = reinterpret_cast<VQ_TG uint4*>(dst);
-    const int stores = CODES * REPS * EW / 4;
-    VQ_UNROLL
-    for (int k = 0; k < (stores + threads - 1) / threads; ++k) {
-      const int i = tid + k * threads, c = i / (REPS * EW / 4);
-      if (stores % threads == 0 || i < stores) {
-        uint4 v;
-        if (EW == 1) {
-          v.x = v.y = v.z = v.w = words[c];
-        } else {
-          const uint2 e = reinterpret_cast<const VQ_GLOBAL uint2*>(words)[c];
-          v.x = v.z = e.x;
-          v.y = v.w = e.y;
-        }
-        dst4[i] = v;
+// Where entries are whole words (SD == 2 EW and REPS EW % 4 == 0), each of THREADS threads
+// loads the entries of its VQ_BOOK16_STORES(...) 16-byte stores of copies, all its loads at once
+// (a constant trip count, unrolled; half by half in a rolled loop they were rounds of 16-bit
+// loads to L2, the top stall before the tile loop): vq_book16_fetch into registers, and
+// vq_book16_put stores them, so that a caller can issue its other loads between the two.
+#define VQ_BOOK16_STORES(CODES, REPS, EW, THREADS) \
+  ((CODES * REPS * EW / 4 + THREADS - 1) / THREADS)
+template <int CODES, int REPS, int EW, int THREADS, class H>
+VQ_FN void vq_book16_fetch(uint2 (&e)[VQ_BOOK16_STORES(CODES, REPS, EW, THREADS)],
+                           const VQ_GLOBAL H* book, int tid) {
+  const VQ_GLOBAL uint32_t* words = reinterpret_cast<const VQ_GLOBAL uint32_t*>(book);
+  constexpr int stores = CODES * REPS * EW / 4;
+  VQ_UNROLL
+  for (int k = 0; k < VQ_BOOK16_STORES(CODES, REPS, EW, THREADS); ++k) {
+    const int i = tid + k * THREADS, c = i / (REPS * EW / 4);
+    e[k].x = e[k].y = 0u;
+    if (stores % THREADS == 0 || i < stores) {
+      if (EW == 1) {
+        e[k].x = words[c];
+      } else {
+        e[k] = reinterpret_cast<const VQ_GLOBAL uint2*>(words)[c];
       }
     }
-    return;
   }
+}
+template <int CODES, int REPS, int EW, int THREADS>
+VQ_FN void vq_book16_put(VQ_TG uint32_t* dst,
+                         const uint2 (&e)[VQ_BOOK16_STORES(CODES, REPS, EW, THREADS)], int tid) {
+  VQ_TG uint4* dst4 = reinterpret_cast<VQ_TG uint4*>(dst);
+  constexpr int stores = CODES * REPS * EW / 4;
+  VQ_UNROLL
+  for (int k = 0; k < VQ_BOOK16_STORES(CODES, REPS, EW, THREADS); ++k) {
+    const int i = tid + k * THREADS;
+    if (stores % THREADS == 0 || i < stores) {
+      uint4 v;
+      v.x = v.z = e[k].x;
+      v.y = v.w = EW == 1 ? e[k].x : e[k].y;
+      dst4[i] = v;
+    }
+  }
+}
+template <int CODES, int REPS, int SD, int EW, class H>
+VQ_FN void vq_book16(VQ_TG uint32_t* dst, const VQ_GLOBAL H* book, int tid, int threads) {
   const VQ_GLOBAL unsigned short* bits = reinterpret_cast<const VQ_GLOBAL unsigned short*>(book);
   for (int i = tid; i < CODES * REPS; i += threads) {
     VQ_UNROLL
@@ -1006,28 +1023,146 @@ _MMA_SHARED = """
   VQ_TG float* s_qtf = reinterpret_cast<VQ_TG float*>(s_qt);
 """
 
-_MMA_BOOKS = """    // the codebooks' f16 bits (the pack's books are f16), copied so that a SIMD
-    // group's random codes hit distinct banks
-    const int kbook = KBOOKS > 1 ? h : 0, vbook = VBOOKS > 1 ? h : 0;
-    vq_book16<KCODES, KR16, KD, KEW>(s_kb16, key_book + kbook * KCODES * KD, (int)vq_tid, TILE);
+# The coded threadgroups' codebooks: the f16 bits (the pack's books are f16) loaded into
+# registers with the setup's other global reads (`_MMA_BOOKS_FETCH`), and copied into threadgroup
+# memory once those are all issued (`_MMA_BOOKS_PUT`), so that a SIMD group's random codes hit
+# distinct banks. Stored as they landed, the copies held back every later load of the setup by
+# a round trip to memory.
+_MMA_BOOKS_FETCH = """    const int kbook = KBOOKS > 1 ? h : 0, vbook = VBOOKS > 1 ? h : 0;
+    constexpr bool KWHOLE = KD == 2 * KEW && KR16 * KEW % 4 == 0;  // vq_book16_fetch's entries
+    constexpr bool VWHOLE = VD == 2 * VEW && VR16 * VEW % 4 == 0;
+    uint2 kfetch[VQ_BOOK16_STORES(KCODES, KR16, KEW, TILE)];
+    if (KWHOLE) {
+      vq_book16_fetch<KCODES, KR16, KEW, TILE>(kfetch, key_book + kbook * KCODES * KD, (int)vq_tid);
+    }
     uint32_t vlate[(VCODES + TILE - 1) / TILE][VEW];  // unused (dropped) without VBLATE
+    uint2 vfetch[VQ_BOOK16_STORES(VCODES, VR16, VEW, TILE)];  // ... and with it
     if (VBLATE) {
       vq_book16_load<VCODES, VD, VEW, TILE>(vlate, value_book + vbook * VCODES * VD, (int)vq_tid);
+    } else if (VWHOLE) {
+      vq_book16_fetch<VCODES, VR16, VEW, TILE>(vfetch, value_book + vbook * VCODES * VD,
+                                               (int)vq_tid);
+    }
+"""
+_MMA_BOOKS_PUT = """    if (KWHOLE) {
+      vq_book16_put<KCODES, KR16, KEW, TILE>(s_kb16, kfetch, (int)vq_tid);
     } else {
+      vq_book16<KCODES, KR16, KD, KEW>(s_kb16, key_book + kbook * KCODES * KD, (int)vq_tid, TILE);
+    }
+    if (!VBLATE) {
       VQ_TG uint32_t* s_vbw = reinterpret_cast<VQ_TG uint32_t*>(s_vb16);
-      vq_book16<VCODES, VR16, VD, VEW>(s_vbw, value_book + vbook * VCODES * VD, (int)vq_tid, TILE);
+      if (VWHOLE) {
+        vq_book16_put<VCODES, VR16, VEW, TILE>(s_vbw, vfetch, (int)vq_tid);
+      } else {
+        vq_book16<VCODES, VR16, VD, VEW>(s_vbw, value_book + vbook * VCODES * VD, (int)vq_tid,
+                                         TILE);
+      }
     }
 """
 
-_MMA_TILES = (
-    """
-    const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;
+# The coded threadgroups' first key rows (`KAHEAD`), read with the setup's other global reads:
+# after the setup, they were a round trip to memory before the first tile's scores.
+_MMA_KEYS_AHEAD = """    const int lane = (int)vq_lane, quad = lane >> 2, l4 = lane & 3;
     // mma's k index (a token of a 16-token block: A's rows of the scores, P's k rows) is token
     // `block_token`(k) = 4 (k % 2 + 2 (k / 8)) + (k % 8) / 2, so that the value rows of P's
     // k = 2 l4 + (u & 1) + 8 (u >> 1) are rows 4 u + l4: one load of the SIMD group reads 4
     // consecutive rows, one 128-byte line, where rows 2 l4 + .. took two (`phase_fragments`
     // permutes its rows the same way)
     const int pq = 4 * (quad & 1) + (quad >> 1);  // block_token(quad); of quad + 8: pq + 8
+    const VQ_GLOBAL uint32_t* kwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(key_codes);
+    const int kfirst = (l4 * KSB) >> 5, ksh = (l4 * KSB) & 31;  // this lane's key slice
+    const int t_begin = split * tps;
+    const int t_end = min(T, t_begin + tps);
+    const int tlast = (t_end - 1) & ~15;  // the start of the block of the split's last token
+    // this lane's first key row (token pq of a block), at its slice
+    const VQ_GLOBAL uint32_t* kbase = kwords + (h * cap + pq) * KW + kfirst;
+    // the key rows of the SIMD group's first block of a tile, loaded a tile ahead (KAHEAD):
+    // that block's scores otherwise wait on a round trip to memory at every tile. The first
+    // tile's are loaded with the setup's other global reads.
+    uint32_t kahead[2][KSW];
+    if (KAHEAD) {
+      const VQ_GLOBAL uint32_t* krow = kbase + min(t_begin + (int)vq_warp * WB * 16, tlast) * KW;
+      VQ_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        vq_slice<KSW, KW, KALIGN>(kahead[r], krow + 8 * r * KW, kfirst, ksh);
+      }
+    }
+"""
+
+# The coded threadgroups' phase setup that needs no query, its loads issued with the setup's
+# other global reads (before q~ is formed) and its results stored before q~'s barrier, which
+# orders them before W's product (`_MMA_TILES`). After q~'s barrier, its loads were a second and
+# a third round trip to memory (the slot's pair, then that pair's frequency and key mean) and
+# its stores a barrier of their own. W = A - iB per (pair j, head g) at the split's first tile
+# is exact; later tiles rotate it by one tile's angle, a complex multiply where a sincos (and
+# W's loads) took five times the instructions. It is stored by slot (register hf of lane
+# 4 g + l4 in chunk c holds slot pair jj = 8 c + 2 l4 + hf), so that a tile's update is addressed
+# by the slot alone; slot_pairs[jj] is its RoPE pair (-1: none; `phase_slot_pairs`). Per slot
+# pair: its pair, then that pair's frequency and key mean, then the sines and cosines of one
+# tile's angle and of the split's start, by the last threads (the first D / 2 fill the RoPE
+# table when the kernel rotates); then W per (slot pair, head g < G) from those, over all
+# threads. Done per slot, each slot took the sincos of the split's start again (once per
+# head), and as the slots of heads past G (which the tiles never read) fell to two of the four
+# SIMD groups, the other two did all the work.
+_MMA_PHASE_LOADS = """    constexpr int NJ = 8 * (PC + NPC), NJT = (NJ + TILE - 1) / TILE;
+    constexpr int NPT = (NPC * 32 + TILE - 1) / TILE;  // the polynomial's B fragments a thread
+    int jv[NJT];
+    float fr[NJT], mu_a[NJT], mu_b[NJT];
+    uint2 polyb[NPT > 0 ? NPT : 1];
+    if (CENTER) {
+      VQ_UNROLL
+      for (int k = 0; k < NPT; ++k) {
+        const int i = (int)vq_tid + k * TILE;
+        if ((NPC * 32) % TILE == 0 || i < NPC * 32) {
+          polyb[k] = reinterpret_cast<const VQ_GLOBAL uint2*>(poly_frags)[i];
+        }
+      }
+      VQ_UNROLL
+      for (int k = 0; k < NJT; ++k) {
+        const int jj = (int)vq_tid + k * TILE - (NJT * TILE - NJ);
+        jv[k] = jj >= 0 ? slot_pairs[jj] : -1;
+      }
+      VQ_UNROLL
+      for (int k = 0; k < NJT; ++k) {  // pair 0's where there is none: no branch between
+        const int j = jv[k] < 0 ? 0 : jv[k];
+        fr[k] = inv_freq[j];
+        mu_a[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j : j)]);
+        mu_b[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j + 1 : j + P)]);
+      }
+    }
+"""
+_MMA_PHASE_SETUP = """    if (CENTER) {
+      for (int i = (int)vq_tid; i < 2 * (PC + NPC) * 32; i += TILE) {
+        uint2 f;
+        f.x = f.y = 0u;
+        s_wb[i] = f;
+      }
+      VQ_UNROLL
+      for (int k = 0; k < NPT; ++k) {
+        const int i = (int)vq_tid + k * TILE;
+        if ((NPC * 32) % TILE == 0 || i < NPC * 32) s_polyb[i] = polyb[k];
+      }
+      const float mpos = rscale * (float)(pos0 + split * tps);
+      VQ_UNROLL
+      for (int k = 0; k < NJT; ++k) {
+        const int jj = (int)vq_tid + k * TILE - (NJT * TILE - NJ);
+        float sn = 0.0f, cs = 1.0f, psn = 0.0f, pcs = 1.0f;
+        if (jv[k] >= 0) {
+          VQ_SINCOS(rscale * (float)TT * fr[k], sn, cs);
+          VQ_SINCOS(mpos * fr[k], psn, pcs);
+        }
+        if (jj >= 0) {
+          s_wstep[jj] = VQ_F2(cs, sn);
+          s_wpos[jj] = VQ_F2(pcs, psn);
+          s_wmu[jj] = VQ_F2(mu_a[k], mu_b[k]);
+          s_wj[jj] = jv[k];
+        }
+      }
+    }
+"""
+
+_MMA_TILES = (
+    """
     // the B fragments, the same for every SIMD group, in threadgroup memory (in registers they
     // cost 32 of them): q~ of head L / 4 (zero past G) at k rows 2 (L % 4) + {0, 1} and
     // 8 + 2 (L % 4) + {0, 1} of chunk c; the phase coefficients' buffers start at zero, so the
@@ -1045,60 +1180,6 @@ _MMA_TILES = (
       s_qb[i] = f;
     }
     if (CENTER) {
-      for (int i = (int)vq_tid; i < 2 * (PC + NPC) * 32; i += TILE) {
-        uint2 f;
-        f.x = f.y = 0u;
-        s_wb[i] = f;
-      }
-      for (int i = (int)vq_tid; i < NPC * 32; i += TILE) {
-        s_polyb[i] = reinterpret_cast<const VQ_GLOBAL uint2*>(poly_frags)[i];
-      }
-      // W = A - iB per (pair j, head g) at the split's first tile, exact; later tiles rotate it
-      // by one tile's angle, a complex multiply where a sincos (and W's loads) took five times
-      // the instructions. Stored by slot (register hf of lane 4 g + l4 in chunk c holds slot
-      // pair jj = 8 c + 2 l4 + hf), so that a tile's update is addressed by the slot alone;
-      // slot_pairs[jj] is its RoPE pair (-1: none; `phase_slot_pairs`). First per slot pair,
-      // every thread's loads at once: its pair, then that pair's frequency and key mean, then
-      // the sines and cosines of one tile's angle and of the split's start; then W per (slot
-      // pair, head g < G) from those, over all threads. Done per slot, each slot took the
-      // sincos of the split's start again (once per head), and as the slots of heads past G
-      // (which the tiles never read) fell to two of the four SIMD groups, the other two did
-      // all the work.
-      const float mpos = rscale * (float)(pos0 + split * tps);
-      constexpr int NJ = 8 * (PC + NPC);
-      {
-        constexpr int NJT = (NJ + TILE - 1) / TILE;
-        int jv[NJT];
-        float fr[NJT], mu_a[NJT], mu_b[NJT];
-        VQ_UNROLL
-        for (int k = 0; k < NJT; ++k) {
-          const int jj = (int)vq_tid + k * TILE;
-          jv[k] = NJ % TILE == 0 || jj < NJ ? slot_pairs[jj] : -1;
-        }
-        VQ_UNROLL
-        for (int k = 0; k < NJT; ++k) {  // pair 0's where there is none: no branch between
-          const int j = jv[k] < 0 ? 0 : jv[k];
-          fr[k] = inv_freq[j];
-          mu_a[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j : j)]);
-          mu_b[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j + 1 : j + P)]);
-        }
-        VQ_UNROLL
-        for (int k = 0; k < NJT; ++k) {
-          const int jj = (int)vq_tid + k * TILE;
-          float sn = 0.0f, cs = 1.0f, psn = 0.0f, pcs = 1.0f;
-          if (jv[k] >= 0) {
-            VQ_SINCOS(rscale * (float)TT * fr[k], sn, cs);
-            VQ_SINCOS(mpos * fr[k], psn, pcs);
-          }
-          if (NJ % TILE == 0 || jj < NJ) {
-            s_wstep[jj] = VQ_F2(cs, sn);
-            s_wpos[jj] = VQ_F2(pcs, psn);
-            s_wmu[jj] = VQ_F2(mu_a[k], mu_b[k]);
-            s_wj[jj] = jv[k];
-          }
-        }
-      }
-      VQ_BARRIER();
       for (int i = (int)vq_tid; i < NJ * G; i += TILE) {
         const int jj = i / G, g = i % G, j = s_wj[jj];
         float2 w = VQ_F2(0.0f, 0.0f);
@@ -1125,31 +1206,15 @@ _MMA_TILES = (
       for (int e = 0; e < 4; ++e) acc[b][e] = 0.0f;
     }
     float m_run[2] = {NEG, NEG}, l_run[2] = {0.0f, 0.0f};  // heads 2 l4, 2 l4 + 1
-    const VQ_GLOBAL uint32_t* kwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(key_codes);
     const VQ_GLOBAL uint32_t* vwords = reinterpret_cast<const VQ_GLOBAL uint32_t*>(value_codes);
     const VQ_GLOBAL uint4* frags = reinterpret_cast<const VQ_GLOBAL uint4*>(phase_frags);
     // codebook copies by 32-bit threadgroup addresses: this lane's copy plus code << KLG, a
     // mask and a shift-add (LEA) from a code word to a load's address
     const uint32_t kbook_lane = vq_tg_address(s_kb16) + (uint32_t)(lane % KR16) * KEW * 4;
     const uint32_t vbook_lane = vq_tg_address(s_vb16) + (uint32_t)(lane % VR16) * VEW * 4;
-    const int kfirst = (l4 * KSB) >> 5, ksh = (l4 * KSB) & 31;  // this lane's key slice
     const int vfirst = (quad * VSB) >> 5, vsh = (quad * VSB) & 31;  // ... and value slice
-    const int t_begin = split * tps;
-    const int t_end = min(T, t_begin + tps);
-    const int tlast = (t_end - 1) & ~15;  // the start of the block of the split's last token
-    // this lane's first key row (token pq of a block) and value row (token l4), at its slice
-    const VQ_GLOBAL uint32_t* kbase = kwords + (h * cap + pq) * KW + kfirst;
+    // this lane's first value row (token l4), at its slice
     const VQ_GLOBAL uint32_t* vbase = vwords + (h * cap + l4) * VW + vfirst;
-    // the key rows of the SIMD group's first block of a tile, loaded a tile ahead (KAHEAD):
-    // that block's scores otherwise wait on a round trip to memory at every tile
-    uint32_t kahead[2][KSW];
-    if (KAHEAD) {
-      const VQ_GLOBAL uint32_t* krow = kbase + min(t_begin + (int)vq_warp * WB * 16, tlast) * KW;
-      VQ_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        vq_slice<KSW, KW, KALIGN>(kahead[r], krow + 8 * r * KW, kfirst, ksh);
-      }
-    }
     for (int tile = t_begin; tile < t_end; tile += TT) {
       // this tile's buffer of s_wb: a SIMD group still on the last tile reads the other one
       const int wbuf = (tile / TT) & 1;
@@ -1383,7 +1448,11 @@ _MMA_BODY = (
     _PARTIAL_PARAMS
     + _MMA_SHARED
     + _PARTIAL_OPEN
-    + _MMA_BOOKS
+    + _MMA_BOOKS_FETCH
+    + _MMA_KEYS_AHEAD
+    + _MMA_PHASE_LOADS
+    + _MMA_BOOKS_PUT
+    + _MMA_PHASE_SETUP
     + _PARTIAL_QTILDE
     + _MMA_TILES
     + _PARTIAL_EXACT
@@ -2495,22 +2564,34 @@ _ROPE_IN_HELPER = """
 VQ_NOINLINE __device__ void vq_rope_sincos(float theta, float* sn, float* cs) {
   VQ_SINCOS(theta, *sn, *cs);
 }
-template <typename T, int D_, bool TRAD_, typename X>
-VQ_FN float vq_rope_in(const VQ_GLOBAL X* row, int n, const VQ_TG float* rope) {
+// element n's mate in its RoPE pair
+template <int D_, bool TRAD_>
+VQ_FN int vq_rope_mate(int n) {
+  return TRAD_ ? (n ^ 1) : (n < D_ / 2 ? n + D_ / 2 : n - D_ / 2);
+}
+// element n of a row rotated, from its value `own` and its mate's `mate`
+template <typename T, int D_, bool TRAD_>
+VQ_FN float vq_rope_turn(float own, float mate, int n, const VQ_TG float* rope) {
   const bool first = TRAD_ ? (n & 1) == 0 : n < D_ / 2;
-  const int mate = TRAD_ ? (n ^ 1) : (first ? n + D_ / 2 : n - D_ / 2);
-  const int j = TRAD_ ? n / 2 : (first ? n : mate);
-  const float x1 = static_cast<float>(row[first ? n : mate]);
-  const float x2 = static_cast<float>(row[first ? mate : n]);
+  const int j = TRAD_ ? n / 2 : (first ? n : n - D_ / 2);
+  const float x1 = first ? own : mate, x2 = first ? mate : own;
   const float cs = rope[j], sn = rope[D_ / 2 + j];
   return static_cast<float>(
       static_cast<T>(first ? VQ_FMA(x1, cs, -VQ_MUL(x2, sn)) : VQ_FMA(x1, sn, VQ_MUL(x2, cs))));
 }
+template <typename T, int D_, bool TRAD_, typename X>
+VQ_FN float vq_rope_in(const VQ_GLOBAL X* row, int n, const VQ_TG float* rope) {
+  const float own = static_cast<float>(row[n]);
+  const float mate = static_cast<float>(row[vq_rope_mate<D_, TRAD_>(n)]);
+  return vq_rope_turn<T, D_, TRAD_>(own, mate, n, rope);
+}
 #endif
 """
 
-# The cosine and sine of each RoPE pair at the step's position iparams[ROPE_POS], before any
-# read of the step's query or key: one sincosf per thread of the first D/2. A RoPE given by its
+# The cosine and sine of each RoPE pair at the step's position iparams[ROPE_POS]: one sincosf
+# per thread of the first D/2. Its barrier is each branch's (`_ROPE_IN_SYNC`): a coded
+# threadgroup's setup reads then (its query unrotated, the codebooks, the phase setup's tables)
+# are issued before it, not a round trip after. A RoPE given by its
 # base (fparams[2], `rope_log2_base`, not 0) takes each pair's frequency as mx.fast.rope's GPU
 # kernel forms it, exp2f(-(j / (D/2)) * log2(base)) on the GPU: the host's float32 exp2
 # (rope_inv_freq, which the coded tokens' phases keep) can be an ulp or two away, and at 64K
@@ -2518,24 +2599,36 @@ VQ_FN float vq_rope_in(const VQ_GLOBAL X* row, int n, const VQ_TG float* rope) {
 # rows. With the model's frequencies (`freqs`) both read the same 1 / freqs.
 _ROPE_IN_TABLE = """
   VQ_SHARED float s_rope[D];
-  if ((int)vq_tid < D / 2) {
-    const float freq = fparams[2] != 0.0f
-        ? exp2f(-((float)vq_tid / (float)(D / 2)) * fparams[2])
-        : inv_freq[vq_tid];
-    float sn, cs;
-    vq_rope_sincos(fparams[1] * (float)iparams[ROPE_POS] * freq, &sn, &cs);
-    s_rope[vq_tid] = cs;
-    s_rope[D / 2 + vq_tid] = sn;
-  }
-  VQ_BARRIER();
+  // this thread's pair's angle (the first D / 2), its reads issued first: the model's frequency
+  // read whether or not it is the one taken, so that its load waits on no other
+  const float rope_model_freq = inv_freq[min((int)vq_tid, D / 2 - 1)];
+  const float rope_angle = fparams[1] * (float)iparams[ROPE_POS] * (fparams[2] != 0.0f
+      ? exp2f(-((float)vq_tid / (float)(D / 2)) * fparams[2]) : rope_model_freq);
+"""
+_ROPE_IN_FILL = """    if ((int)vq_tid < D / 2) {
+      float sn, cs;
+      vq_rope_sincos(rope_angle, &sn, &cs);
+      s_rope[vq_tid] = cs;
+      s_rope[D / 2 + vq_tid] = sn;
+    }
 """
 
 # The statements of the one-launch kernel that read the step's own query and key, and what they
-# read instead when the kernel rotates them (`rope_in`): the split threadgroups' query load,
-# the exact threadgroup's query and new-token rows, and the in-place encoder's ring write.
+# read instead when the kernel rotates them (`rope_in`): the split threadgroups' query load (each
+# element and its mate, rotated once the RoPE table's barrier is passed), the exact
+# threadgroup's query and new-token rows, and the in-place encoder's ring write.
+_SPLIT_Q_LOAD = (
+    "qx[gi][e] = g < G ? static_cast<float>(q[(h * G + g) * D + (int)vq_lane * QE + e]) : 0.0f;"
+)
 _ROPE_IN_READS = {
-    "static_cast<float>(q[(h * G + g) * D + (int)vq_lane * QE + e])": (
-        "VQ_ROPE_IN(q + (h * G + g) * D, (int)vq_lane * QE + e)"
+    "float qx[GW][QE], sx[QE];": "float qx[GW][QE], qm[GW][QE], sx[QE];",
+    _SPLIT_Q_LOAD: (
+        _SPLIT_Q_LOAD + "\n        qm[gi][e] = g < G ? static_cast<float>(q[(h * G + g) * D + "
+        "vq_rope_mate<D, TRAD>((int)vq_lane * QE + e)]) : 0.0f;"
+    ),
+    "const float qs = qx[gi][e] * qscale;": (
+        "const float qs = vq_rope_turn<OUT_T, D, TRAD>(qx[gi][e], qm[gi][e], "
+        "(int)vq_lane * QE + e, s_rope) * qscale;"
     ),
     "static_cast<float>(q[(h * G) * D + i])": "VQ_ROPE_IN(q + (h * G + i / D) * D, i % D)",
     "EXACT_ROW(new_k, new_v, (h * n_new + t - n_sink - n_win) * D)": (
@@ -2553,6 +2646,23 @@ _ROPE_IN_MACROS = """
     vx[b][e] = static_cast<float>(V[(row) + e * 32 + lane]); \\
   }
 """
+
+
+# The RoPE table filled (`_ROPE_IN_FILL`) and its barrier, in each branch before its first read
+# of the table: a coded threadgroup's once its setup's global reads are issued, before q~ is
+# formed; the exact threadgroup's first thing.
+_ROPE_IN_SYNC = {
+    _PARTIAL_QTILDE: (
+        _ROPE_IN_FILL
+        + "    VQ_BARRIER();  // the RoPE table (and the phase setup's tables)\n"
+        + _PARTIAL_QTILDE
+    ),
+    "  } else {\n    // ---- the exact tokens": (
+        "  } else {\n"
+        + _ROPE_IN_FILL
+        + "    VQ_BARRIER();  // the RoPE table\n    // ---- the exact tokens"
+    ),
+}
 
 
 def one_launch_kernel_source(
@@ -2597,7 +2707,7 @@ def one_launch_kernel_source(
         helpers = partial.helpers
         if rope_in:
             body += tail
-            for read, rotated in _ROPE_IN_READS.items():
+            for read, rotated in (*_ROPE_IN_SYNC.items(), *_ROPE_IN_READS.items()):
                 assert body.count(read) == 1, read
                 body = body.replace(read, rotated)
             body, tail = _ROPE_IN_MACROS + _ROPE_IN_TABLE + body, ""
