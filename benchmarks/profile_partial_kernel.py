@@ -562,8 +562,10 @@ def timeline_one(args) -> None:
         caches, qs, pend = decode_inputs(n, 1, 1, H, G, D)
         cache = caches[0]
         cache._reserve_codes(1)  # the launch encodes in place, as fused_attention makes room
-        if args.rope_in:  # the step's query and key unrotated, at the context's position
-            pend[0]["rotate"] = (qs[0], pend[0]["new"][0], n)
+        if args.rope_in:  # a step whose window is full: it encodes the leaving token in
+            # place, and rotates its own query and key (unrotated here) to the cache's position
+            pend[0]["encode"] = (cache._ring, cache.sinks + cache._n_coded)
+            pend[0]["rotate"] = (qs[0], pend[0]["new"][0], int(cache.offset))
         a = K.attention_inputs(cache, qs[0], scale, pend[0])
         if args.rope_in and not a["rope_in"]:
             raise SystemExit("--rope-in: this step's launch does not rotate (no key mean?)")
