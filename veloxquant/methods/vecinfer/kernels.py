@@ -863,7 +863,7 @@ VQ_FN uint32_t vq_book16_word(const VQ_GLOBAL unsigned short* bits, int c, int w
 // loads to L2, the top stall before the tile loop): vq_book16_fetch into registers, and
 // vq_book16_put stores them, so that a caller can issue its other loads between the two.
 #define VQ_BOOK16_STORES(CODES, REPS, EW, THREADS) \
-  ((CODES * REPS * EW / 4 + THREADS - 1) / THREADS)
+  (((CODES) * (REPS) * (EW) / 4 + (THREADS) - 1) / (THREADS))
 template <int CODES, int REPS, int EW, int THREADS, class H>
 VQ_FN void vq_book16_fetch(uint2 (&e)[VQ_BOOK16_STORES(CODES, REPS, EW, THREADS)],
                            const VQ_GLOBAL H* book, int tid) {
@@ -1036,7 +1036,7 @@ _MMA_BOOKS_FETCH = """    const int kbook = KBOOKS > 1 ? h : 0, vbook = VBOOKS >
       vq_book16_fetch<KCODES, KR16, KEW, TILE>(kfetch, key_book + kbook * KCODES * KD, (int)vq_tid);
     }
     uint32_t vlate[(VCODES + TILE - 1) / TILE][VEW];  // unused (dropped) without VBLATE
-    uint2 vfetch[VQ_BOOK16_STORES(VCODES, VR16, VEW, TILE)];  // ... and with it
+    uint2 vfetch[VQ_BOOK16_STORES(VCODES, VR16, VEW, TILE)];  // used only without VBLATE
     if (VBLATE) {
       vq_book16_load<VCODES, VD, VEW, TILE>(vlate, value_book + vbook * VCODES * VD, (int)vq_tid);
     } else if (VWHOLE) {
@@ -1099,8 +1099,9 @@ _MMA_KEYS_AHEAD = """    const int lane = (int)vq_lane, quad = lane >> 2, l4 = l
 # 4 g + l4 in chunk c holds slot pair jj = 8 c + 2 l4 + hf), so that a tile's update is addressed
 # by the slot alone; slot_pairs[jj] is its RoPE pair (-1: none; `phase_slot_pairs`). Per slot
 # pair: its pair, then that pair's frequency and key mean, then the sines and cosines of one
-# tile's angle and of the split's start, by the last threads (the first D / 2 fill the RoPE
-# table when the kernel rotates); then W per (slot pair, head g < G) from those, over all
+# tile's angle and of the split's start, by the last NJ threads (the first D / 2 fill the RoPE
+# table when the kernel rotates: with NJ + D / 2 > TILE a few threads do both); then W per
+# (slot pair, head g < G) from those, over all
 # threads. Done per slot, each slot took the sincos of the split's start again (once per
 # head), and as the slots of heads past G (which the tiles never read) fell to two of the four
 # SIMD groups, the other two did all the work.
@@ -2652,11 +2653,7 @@ _ROPE_IN_MACROS = """
 # of the table: a coded threadgroup's once its setup's global reads are issued, before q~ is
 # formed; the exact threadgroup's first thing.
 _ROPE_IN_SYNC = {
-    _PARTIAL_QTILDE: (
-        _ROPE_IN_FILL
-        + "    VQ_BARRIER();  // the RoPE table (and the phase setup's tables)\n"
-        + _PARTIAL_QTILDE
-    ),
+    _PARTIAL_QTILDE: (_ROPE_IN_FILL + "    VQ_BARRIER();  // the RoPE table\n" + _PARTIAL_QTILDE),
     "  } else {\n    // ---- the exact tokens": (
         "  } else {\n"
         + _ROPE_IN_FILL
