@@ -1119,13 +1119,16 @@ _MMA_PHASE_LOADS = """    constexpr int NJ = 8 * (PC + NPC), NJT = (NJ + TILE - 
         }
       }
       VQ_UNROLL
-      for (int k = 0; k < NJT; ++k) {  // the slot's pair, its frequency and key mean: one load
+      for (int k = 0; k < NJT; ++k) {
         const int jj = (int)vq_tid + k * TILE - (NJT * TILE - NJ);
-        const float4 e = jj >= 0 ? slot_table[h * NJ + jj] : VQ_F4(0.0f, 0.0f, 0.0f, -1.0f);
-        fr[k] = e.x;
-        mu_a[k] = e.y;
-        mu_b[k] = e.z;
-        jv[k] = (int)e.w;
+        jv[k] = jj >= 0 ? slot_pairs[jj] : -1;
+      }
+      VQ_UNROLL
+      for (int k = 0; k < NJT; ++k) {  // pair 0's where there is none: no branch between
+        const int j = jv[k] < 0 ? 0 : jv[k];
+        fr[k] = inv_freq[j];
+        mu_a[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j : j)]);
+        mu_b[k] = static_cast<float>(key_mean[h * D + (TRAD ? 2 * j + 1 : j + P)]);
       }
     }
 """
@@ -2434,7 +2437,6 @@ _ONE_LAUNCH_PACK = """
   const uint32_t* phase_frags = layer_pack + OFF_PHASE_FRAGS;
   const uint32_t* poly_frags = layer_pack + OFF_POLY_FRAGS;
   const int* slot_pairs = reinterpret_cast<const int*>(layer_pack + OFF_SLOT_PAIRS);
-  const float4* slot_table = reinterpret_cast<const float4*>(layer_pack + OFF_SLOT_TABLE);
 """
 
 # Every split's running max, sum and output rows in the one output `parts`: [part_m][part_l]
@@ -2471,7 +2473,6 @@ def pack_segments(lay: Layout, r: int | None = None) -> dict[str, tuple[int, int
         "phase_frags": (frags if lay.center and mma else 0, "float16"),
         "poly_frags": (poly_chunks * 32 * 4 if lay.center and mma else 0, "float16"),
         "slot_pairs": (8 * (chunks + poly_chunks) if lay.center and mma else 0, "int32"),
-        "slot_table": (h * 8 * (chunks + poly_chunks) * 4 if lay.center and mma else 0, "float32"),
     }
     out, off = {}, 0
     for name, (n, dtype) in sizes.items():
@@ -2519,7 +2520,6 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
                 mx.array(poly_fragments(cache.rope, lay, r)) if mma and lay.center else None
             ),
             "slot_pairs": mx.array(phase_slot_pairs(lay).astype(np.int32)),
-            "slot_table": _slot_table(cache, lay, const) if mma and lay.center else None,
         }
         segments = pack_segments(lay, r)
         pack = np.zeros(segments["end"][0] * 4, np.uint8)
@@ -2537,25 +2537,6 @@ def _layer_pack(cache: Any, lay: Layout, const: dict, r: int, scale: float) -> m
         # share a managed page with the arrays the host makes later (launch-params-h100.txt)
         memo[key] = device_resident(mx.array(pack.view(np.uint32)))
     return memo[key]
-
-
-def _slot_table(cache: Any, lay: Layout, const: dict) -> mx.array:
-    """Per KV head h and phase slot pair jj (`phase_slot_pairs`), float32 (frequency, key mean
-    a, key mean b, pair) of the slot's RoPE pair, the key mean rounded to f16 as the pack holds
-    it; zeros and pair -1 for a slot without one: what the phase setup reads in one load."""
-    pairs = phase_slot_pairs(lay)
-    j = np.maximum(pairs, 0)
-    d, p = lay.head_dim, lay.head_dim // 2
-    mean = np.array(cache.key_mean.astype(mx.float16).astype(mx.float32)).reshape(-1, d)
-    freq = np.array(const["inv_freq"].astype(mx.float32)).reshape(-1)
-    ia, ib = (2 * j, 2 * j + 1) if lay.rope_traditional else (j, j + p)
-    table = np.zeros((mean.shape[0], pairs.size, 4), np.float32)
-    table[..., 0] = freq[j]
-    table[..., 1] = mean[:, ia]
-    table[..., 2] = mean[:, ib]
-    table[..., 3] = pairs
-    table[:, pairs < 0, :3] = 0.0
-    return mx.array(table)
 
 
 # Element n of the RoPE of `row` (D elements, pairs (n, n + D/2), or (2j, 2j + 1) when
