@@ -48,6 +48,18 @@
 #                                       # an in-kernel rotation change against BASE (and ARMS,
 #                                       # as for loop): greedy tokens and logits, ncu of real
 #                                       # 64K / 128K steps (NCU_CONTEXTS picks others)
+#   BASE=benchmarks/_base_kernels.py bash benchmarks/h200_mma.sh setup
+#                                       # a change to the coded threadgroups' setup against BASE
+#                                       # (and ARMS, as for loop): outputs and codes, the setup's
+#                                       # phases in steps that rotate (timeline-one --rope-in;
+#                                       # --setup for this tree and the ARMS, whose stamps BASE's
+#                                       # may lack), ncu of real 64K / 128K steps (NCU_CONTEXTS),
+#                                       # greedy tokens. For 5fdd8c6's setup (the reads issued
+#                                       # together) against the tree before it, and the slot-table
+#                                       # arm: git show 01a5ca2:veloxquant/methods/vecinfer/
+#                                       # kernels.py > benchmarks/_base_kernels.py; git show
+#                                       # ed2c54f:(the same) > benchmarks/_slots_kernels.py;
+#                                       # ARMS=slots=benchmarks/_slots_kernels.py
 #   bash benchmarks/h200_mma.sh costs   # what each part of the tile loop costs: ncu inside real
 #                                       # decode steps at 64K, this tree against copies with one
 #                                       # kind of memory traffic taken out (benchmarks/cost_arms.py,
@@ -107,6 +119,16 @@ ncu_arms() {
     --context "$ctx" --repeats 2 --steps 3 "${arms[@]}" > "$OUT/step$ctx.txt" 2>&1
   python benchmarks/profile_decode_step.py --parse "$OUT/step$ctx.csv" --steps 3 \
     "${arms[@]}" | tee "$OUT/step${ctx}_parsed.txt"
+}
+# ncu of real decode steps at NCU_CONTEXTS (default 64K and 128K) for the caller's `arms`,
+# then greedy tokens of the fused path against the transient one (loop and setup)
+arms_steps_and_tokens() {
+  for ctx in ${NCU_CONTEXTS:-65536 131072}; do
+    ncu_arms "$ctx" 170 | grep -E "^==|GPU time|custom_kernel|sdpa"
+  done
+  echo "== greedy tokens, fused against transient"
+  timeout 100 python benchmarks/check_fused_generation.py \
+    --random-weights benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/check.txt"
 }
 ncu_times() {
   name=$1
@@ -267,12 +289,26 @@ loop)
   echo "== this tree against $BASE, per layer step: outputs, codes, times"
   timeout 100 python benchmarks/ab_kernel_revisions.py --baseline "$BASE" --steps \
     --contexts 16384 65536 131072 --repeats 3 2>&1 | tee "$OUT/steps_ab.txt"
-  for ctx in ${NCU_CONTEXTS:-65536 131072}; do
-    ncu_arms "$ctx" 170 | grep -E "^==|GPU time|custom_kernel|sdpa"
+  arms_steps_and_tokens
+  ;;
+setup)
+  BASE=${BASE:-benchmarks/_base_kernels.py}
+  [ -f "$BASE" ] || { echo "no $BASE: see the setup mode's comment at the top" >&2; exit 2; }
+  arms=(--baseline "base=$BASE")
+  for a in ${ARMS:-}; do arms+=(--baseline "$a"); done
+  echo "== this tree against $BASE, per layer step at 16K: outputs, codes"
+  timeout 100 python benchmarks/ab_kernel_revisions.py --baseline "$BASE" --steps \
+    --contexts 16384 --repeats 2 2>&1 | tee "$OUT/steps_ab.txt"
+  P="python benchmarks/profile_partial_kernel.py timeline-one --contexts 65536 131072 --rope-in"
+  echo "== timeline-one, this tree (the setup's phases)"
+  timeout 60 $P --setup 2>&1 | tee "$OUT/timeline_tree.txt"
+  echo "== timeline-one, $BASE"
+  timeout 60 $P --kernels "$BASE" 2>&1 | tee "$OUT/timeline_base.txt"
+  for a in ${ARMS:-}; do
+    echo "== timeline-one, ${a#*=}"
+    timeout 60 $P --setup --kernels "${a#*=}" 2>&1 | tee "$OUT/timeline_${a%%=*}.txt"
   done
-  echo "== greedy tokens, fused against transient"
-  timeout 100 python benchmarks/check_fused_generation.py \
-    --random-weights benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/check.txt"
+  arms_steps_and_tokens
   ;;
 phases)
   # the merge's phases (timeline-one's stamps) at 16K / 64K / 128K; which unit bounds one
@@ -394,7 +430,7 @@ mergecuts)
     | tee "$OUT/step65536_parsed.txt" | grep -E "GPU time|custom_kernel|sdpa"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|merge4|mergecuts|loop|tiles4|bounds|costs|phases|rope|rope_e2e|ropetable" >&2
+  echo "usage: bash benchmarks/h200_mma.sh steps|e2e|splits|step|tail|merge|merge4|mergecuts|loop|tiles4|bounds|costs|phases|rope|rope_e2e|ropetable|setup" >&2
   exit 2
   ;;
 esac
