@@ -1101,10 +1101,9 @@ _MMA_KEYS_AHEAD = """    const int lane = (int)vq_lane, quad = lane >> 2, l4 = l
 # pair: its pair, then that pair's frequency and key mean, then the sines and cosines of one
 # tile's angle and of the split's start, by the last NJ threads (the first D / 2 fill the RoPE
 # table when the kernel rotates: with NJ + D / 2 > TILE a few threads do both); then W per
-# (slot pair, head g < G) from those, over all
-# threads. Done per slot, each slot took the sincos of the split's start again (once per
-# head), and as the slots of heads past G (which the tiles never read) fell to two of the four
-# SIMD groups, the other two did all the work.
+# (slot pair, head g < G) from those, over all threads. Done per slot, each slot took the
+# sincos of the split's start again (once per head), and as the slots of heads past G (which
+# the tiles never read) fell to two of the four SIMD groups, the other two did all the work.
 _MMA_PHASE_LOADS = """    constexpr int NJ = 8 * (PC + NPC), NJT = (NJ + TILE - 1) / TILE;
     constexpr int NPT = (NPC * 32 + TILE - 1) / TILE;  // the polynomial's B fragments a thread
     int jv[NJT];
