@@ -71,7 +71,13 @@ from veloxquant.kernels import (
     launch_params,
     split_target,
 )
-from veloxquant.rope import RopeSpec, rotated_mean
+from veloxquant.rope import (
+    TABLE_MIN_LENGTH,
+    RopeSpec,
+    rotate_by_table,
+    rotated_mean,
+    rotation_table,
+)
 
 TILE = 128  # tokens per tile and threads per threadgroup of the partial kernel
 NEG = -1.0e30  # finite "minus infinity" for running maxima (no inf arithmetic in kernels)
@@ -3503,12 +3509,19 @@ def reference_attention(
     o_code = mx.zeros((b, h, g, n, d), f32)
     piece = max(TILE, min(PIECE_TOKENS, PIECE_ELEMENTS // max(1, b * n_q * n)))
     kbuf, vbuf = cache._kbuf, cache._vbuf
+    if cache.key_mean is not None and n_coded >= TABLE_MIN_LENGTH:
+        # one table for the whole coded span, the same for every layer at this step
+        cos, sin = rotation_table(cache.rope, cache.sinks, n_coded)
     for a in range(0, n_coded, piece):
         e = min(n_coded, a + piece)
         kt = pq_decode(kbuf[:, :, a:e], cache.key_codebook, cache.key_sub_dim, cache.key_bits, d)
         s = qt @ kt.swapaxes(-1, -2)
         if cache.key_mean is not None:
-            mu = rotated_mean(cache.key_mean.astype(f32), cache.rope, cache.sinks + a, e - a)
+            mean = cache.key_mean.astype(f32)
+            if n_coded >= TABLE_MIN_LENGTH:
+                mu = rotate_by_table(mean, cache.rope, cos[a:e], sin[a:e])
+            else:
+                mu = rotated_mean(mean, cache.rope, cache.sinks + a, e - a)
             s = s + q @ mu.swapaxes(-1, -2)
         s = attention.apply_mask(rows(s), attention.mask_columns(mask, n, total, n_sink + a, e - a))
         m_new = mx.maximum(m_run, s.max(axis=-1, keepdims=True))
