@@ -143,6 +143,96 @@ def test_generic_packing_is_little_endian_bit_order():
     assert packed.tolist() == [[0b011101]]
 
 
+@pytest.mark.parametrize("bits", range(1, 17))
+def test_word_packing_is_the_bit_expansion(bits, monkeypatch):
+    """Widths packed through one integer word per group give the bytes, and read back the
+    codes, of the generic bit expansion, for code counts that fill whole groups and ones that
+    do not (those take the expansion)."""
+    from veloxquant import codes as codes_mod
+
+    rng = np.random.default_rng(100 + bits)
+    cases = []
+    for m in (1, 3, 4, 8, 16, 24, 32):
+        c = mx.array(rng.integers(0, 2**bits, size=(2, 3, 5, m)).astype(np.uint32))
+        cases.append((m, c, pack_codes(c, bits)))
+        mx.eval(cases[-1][2], unpack_codes(cases[-1][2], bits, m))
+    took_words = [codes_mod._word_groups(bits, m) is not None for m, _, _ in cases]
+    monkeypatch.setattr(codes_mod, "_word_groups", lambda bits, n: None)
+    for (m, c, packed), words in zip(cases, took_words, strict=True):
+        if bits == 8:
+            continue
+        expanded = pack_codes(c, bits)
+        assert mx.array_equal(packed, expanded).item(), (m, words)
+        assert mx.array_equal(unpack_codes(packed, bits, m), c).item()
+    if bits in (3, 5, 6, 7, 10, 12, 14):
+        assert any(took_words)
+
+
+def test_six_bit_packing_is_little_endian_bit_order():
+    # 1 | 2 << 6 | 3 << 12 | 4 << 18 = 0x103081 -> bytes 0x81 0x30 0x10
+    packed = pack_codes(mx.array([[1, 2, 3, 4]], dtype=mx.uint32), 6)
+    assert packed.tolist() == [[0x81, 0x30, 0x10]]
+    assert unpack_codes(packed, 6, 4).tolist() == [[1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("bits,sub_dim,n_books", [(6, 2, 3), (6, 2, 1), (3, 2, 3), (4, 4, 1)])
+def test_pair_decoding_is_the_per_code_gather(bits, sub_dim, n_books, monkeypatch):
+    """Two codes gathered at once from the pair table give the per-code gather's floats, bit
+    for bit, and the pair path is the one long spans take."""
+    from veloxquant import codes as codes_mod
+    from veloxquant.codes import pq_decode
+
+    rng = np.random.default_rng(bits * 10 + n_books)
+    d, k = 64, 2**bits
+    book = mx.array(rng.normal(size=(n_books, k, sub_dim)).astype(np.float32))
+    c = rng.integers(0, k, size=(1, 3, 700, d // sub_dim)).astype(np.uint32)
+    packed = pack_codes(mx.array(c), bits)
+    own = c + (np.arange(3)[None, :, None, None] * k if n_books > 1 else 0)
+    expected = np.array(book).reshape(n_books * k, sub_dim)[own].reshape(1, 3, 700, d)
+    taken = []
+    monkeypatch.setattr(
+        codes_mod, "unpack_codes", lambda p, b, m: taken.append(b) or unpack_codes(p, b, m)
+    )
+    np.testing.assert_array_equal(np.array(pq_decode(packed, book, sub_dim, bits, d)), expected)
+    assert taken == [2 * bits]
+    monkeypatch.setattr(codes_mod, "PAIR_BITS", 0)
+    np.testing.assert_array_equal(np.array(pq_decode(packed, book, sub_dim, bits, d)), expected)
+    assert taken[-1] == bits
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("freqs", [False, True])
+def test_rotated_mean_from_the_table_is_the_models_rope(traditional, freqs):
+    """RoPE_m(μ) from the shared cos / sin table is `mx.fast.rope` of μ at every position,
+    bit for bit; the table is computed once for the layers of a step, and a spec with other
+    frequencies gets its own."""
+    from veloxquant import rope as rope_mod
+    from veloxquant.rope import RopeSpec, rotated_mean
+
+    rng = np.random.default_rng(int(traditional) * 2 + int(freqs))
+    table = mx.array(rng.uniform(1e-4, 1.0, size=(32,)).astype(np.float32)) if freqs else None
+    spec = RopeSpec(64, traditional, None if freqs else 1e5, 1.0 if freqs else 0.5, table)
+    mean = mx.array(rng.normal(size=(3, 64)).astype(np.float32) * 4)
+    offset, length = 37, 3000
+    direct = spec.apply(mx.broadcast_to(mean[None, :, None, :], (1, 3, length, 64)), offset)
+    np.testing.assert_array_equal(
+        np.array(rotated_mean(mean, spec, offset, length)), np.array(direct)
+    )
+    kept = rope_mod.rotation_table(spec, offset, length)
+    assert all(
+        a is b for a, b in zip(rope_mod.rotation_table(spec, offset, length), kept, strict=True)
+    )
+    other = RopeSpec(
+        64, traditional, None if freqs else 2e4, 1.0 if freqs else 0.5, table * 2 if freqs else None
+    )
+    assert not mx.array_equal(rope_mod.rotation_table(other, offset, length)[0], kept[0]).item()
+    short = rotated_mean(mean, spec, 5, 3)  # short spans rotate directly
+    np.testing.assert_array_equal(
+        np.array(short),
+        np.array(spec.apply(mx.broadcast_to(mean[None, :, None, :], (1, 3, 3, 64)), 5)),
+    )
+
+
 # ------------------------------------------------------------------------------- the cache
 
 
