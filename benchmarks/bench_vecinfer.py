@@ -19,6 +19,8 @@ Every timing is interleaved over `--repeats`, reported as median [min, max].
     # (timings do not depend on weight values), uncalibrated codebooks of the same shape.
     python benchmarks/bench_vecinfer.py --random-weights cfg.json --dtype float16 --skip-kmeans \
         --contexts 1024 4096 16384
+    # decode steps of the default calibrated layout (key mean; random codes), the real weights
+    python benchmarks/bench_vecinfer.py --model-dir /tmp/smol --skip-kmeans --default-layout
 """
 
 from __future__ import annotations
@@ -167,15 +169,26 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
         " of it"
     )
 
+    # here, not at the top: bench_generate imports this module
+    from bench_generate import default_layout_caches
+
     for ctx in args.contexts:
         fp = filled_caches(model, None, ctx)
-        vi = filled_caches(model, config, ctx)
+        if args.default_layout:  # the calibrated layout's costs (key mean) without a bundle
+            vi = default_layout_caches(model, ctx)
+            for c in vi:
+                c.fused = False
+        else:
+            vi = filled_caches(model, config, ctx)
         arms = {"fp16 KVCache": fp, "vecinfer transient": vi}
         # the fused path: the kernels on a GPU, their pure-MLX twin elsewhere (the CPU ratio)
         attention.install()
         fused_name = "vecinfer fused" if kernel_backend() is not None else "vecinfer twin"
         if attention.routes(model):
-            fused = filled_caches(model, config, ctx)
+            if args.default_layout:
+                fused = default_layout_caches(model, ctx)
+            else:
+                fused = filled_caches(model, config, ctx)
             for c in fused:
                 c.fused = True
             arms[fused_name] = fused
@@ -224,7 +237,14 @@ def main() -> None:
     p.add_argument(
         "--artifact-dir",
         default=None,
-        help="vecinfer bundle for the cache arms (default: uncalibrated codebooks, same cost)",
+        help="vecinfer bundle for the cache arms (default: uncalibrated codebooks, which have "
+        "no key mean, so no rotated mean to add: cheaper than a calibrated cache)",
+    )
+    p.add_argument(
+        "--default-layout",
+        action="store_true",
+        help="decode steps on caches of the default calibrated layout (key mean, per-layer "
+        "value books; random codes, as bench_generate.py builds them) instead of --artifact-dir's",
     )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
