@@ -233,6 +233,28 @@ def test_rotated_mean_from_the_table_is_the_models_rope(traditional, freqs):
     )
 
 
+def test_rotation_tables_are_kept_per_thread():
+    """A table another thread built (and may not have evaluated: MLX evaluates an array only in
+    the thread whose stream built it) is not handed to this one."""
+    import threading
+
+    from veloxquant.rope import RopeSpec, rotated_mean
+
+    spec = RopeSpec(64, False, 1e4, 1.0)
+    mean = mx.ones((2, 64))
+    other = {}
+
+    def build():
+        other["mu"] = rotated_mean(mean, spec, 3, 500)  # lazy, on that thread's stream
+
+    worker = threading.Thread(target=build)
+    worker.start()
+    worker.join()
+    here = rotated_mean(mean, spec, 3, 500)
+    direct = spec.apply(mx.broadcast_to(mean[None, :, None, :], (1, 2, 500, 64)), 3)
+    np.testing.assert_array_equal(np.array(here), np.array(direct))
+
+
 # ------------------------------------------------------------------------------- the cache
 
 

@@ -66,7 +66,6 @@ def unpack_codes(packed: mx.array, bits: int, n_codes: int) -> mx.array:
         return packed.astype(mx.uint32)
     words = _word_groups(bits, m)
     if words is not None:
-        # a 6-bit layer's keys over 4K tokens: 0.8 ms this way, 5 ms through the bit expansion
         n_bytes, per, word = words
         p = packed.astype(word).reshape(*lead, m // per, n_bytes)
         w = (p << (mx.arange(n_bytes, dtype=word) * 8)).sum(axis=-1)
@@ -97,9 +96,9 @@ def pq_decode(packed: mx.array, codebook: mx.array, sub_dim: int, bits: int, dim
 
     Decoding is a gather, and on the CPU `mx.take` costs about the same per index whatever the
     row's width: two codes read as one 2·bits-bit index into a table of codeword pairs halve the
-    indices (a 6-bit layer's keys over 4K tokens: 3.2 ms, 7.2 ms one code at a time). The
-    packed bit stream reads the same either way, and the result is the same copies of the same
-    codewords, bit for bit."""
+    indices (benchmarks/results/bench_vecinfer-default-layout-cpu.txt). The packed bit stream
+    reads the same either way, and the result is the same copies of the same codewords, bit for
+    bit. Spans shorter than the table decode one code at a time."""
     b, h, t, _ = packed.shape
     m = dim // sub_dim
     n_books, k, _ = codebook.shape

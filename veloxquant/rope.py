@@ -112,8 +112,14 @@ class RopeSpec:
 # long one out of the memo.
 TABLE_MIN_LENGTH = 16
 TABLES_KEPT = 4
-_tables: OrderedDict = OrderedDict()  # (spec, offset, length) -> (freqs, cos, sin), newest last
-_tables_lock = threading.Lock()
+
+
+def _tables() -> OrderedDict:
+    # (spec, offset, length) -> (freqs, cos, sin), newest last. Per thread: a table may still be
+    # unevaluated, and MLX evaluates an array only in the thread whose stream built it.
+    if not hasattr(_local, "tables"):
+        _local.tables = OrderedDict()
+    return _local.tables
 
 
 def rotation_table(rope: RopeSpec, offset: int, length: int) -> tuple[mx.array, mx.array]:
@@ -123,14 +129,15 @@ def rotation_table(rope: RopeSpec, offset: int, length: int) -> tuple[mx.array, 
     pair, so the angles and their cos / sin are the model's own, bit for bit.
 
     The rotated key mean of every layer at a step spans the same positions, and computing
-    cos / sin is what costs (on the CPU, ~40 ns an element: a layer's RoPE_m(μ) over 4K tokens
-    took 34 ms). So the last few tables asked for are kept and shared by all layers."""
+    cos / sin is what costs on the CPU (a scalar call per element; the numbers are in
+    benchmarks/results/bench_vecinfer-default-layout-cpu.txt). So the last few tables asked for
+    are kept, per thread, and shared by all layers."""
     key = (rope.dims, rope.traditional, rope.base, rope.scale, id(rope.freqs), offset, length)
-    with _tables_lock:
-        hit = _tables.get(key)
-        if hit is not None and hit[0] is rope.freqs:  # the kept reference pins freqs' id
-            _tables.move_to_end(key)
-            return hit[1], hit[2]
+    tables = _tables()
+    hit = tables.get(key)
+    if hit is not None and hit[0] is rope.freqs:  # the kept reference pins freqs' id
+        tables.move_to_end(key)
+        return hit[1], hit[2]
     d, half = rope.dims, rope.dims // 2
     first = mx.arange(d) % 2 == 0 if rope.traditional else mx.arange(d) < half
     unit = mx.broadcast_to(first.astype(mx.float32), (1, 1, length, d))
@@ -143,10 +150,9 @@ def rotation_table(rope: RopeSpec, offset: int, length: int) -> tuple[mx.array, 
         c, s = turned[:, :half], turned[:, half:]
         cos = mx.concatenate([c, c], axis=-1)
         sin = mx.concatenate([-s, s], axis=-1)
-    with _tables_lock:
-        _tables[key] = (rope.freqs, cos, sin)
-        while len(_tables) > TABLES_KEPT:
-            _tables.popitem(last=False)
+    tables[key] = (rope.freqs, cos, sin)
+    while len(tables) > TABLES_KEPT:
+        tables.popitem(last=False)
     return cos, sin
 
 
