@@ -226,6 +226,10 @@ def test_rotated_mean_from_the_table_is_the_models_rope(traditional, freqs):
         64, traditional, None if freqs else 2e4, 1.0 if freqs else 0.5, table * 2 if freqs else None
     )
     assert not mx.array_equal(rope_mod.rotation_table(other, offset, length)[0], kept[0]).item()
+    huge = rope_mod.TABLE_KEPT_ELEMENTS // 64 + 1  # tables this long are not kept
+    assert (
+        rope_mod.rotation_table(spec, 0, huge)[0] is not rope_mod.rotation_table(spec, 0, huge)[0]
+    )
     short = rotated_mean(mean, spec, 5, 3)  # short spans rotate directly
     np.testing.assert_array_equal(
         np.array(short),

@@ -111,7 +111,11 @@ class RopeSpec:
 # Requests shorter than this rotate the mean directly: a table would cost as much and push a
 # long one out of the memo.
 TABLE_MIN_LENGTH = 16
-TABLES_KEPT = 4
+# A step asks for two spans per layer (the coded past; the tokens it encodes). Tables above
+# TABLE_KEPT_ELEMENTS (each of cos and sin) are not kept, so the memo holds at most 64 MiB
+# after a long prompt.
+TABLES_KEPT = 2
+TABLE_KEPT_ELEMENTS = 1 << 22
 
 
 def _tables() -> OrderedDict:
@@ -150,9 +154,10 @@ def rotation_table(rope: RopeSpec, offset: int, length: int) -> tuple[mx.array, 
         c, s = turned[:, :half], turned[:, half:]
         cos = mx.concatenate([c, c], axis=-1)
         sin = mx.concatenate([-s, s], axis=-1)
-    tables[key] = (rope.freqs, cos, sin)
-    while len(tables) > TABLES_KEPT:
-        tables.popitem(last=False)
+    if length * d <= TABLE_KEPT_ELEMENTS:
+        tables[key] = (rope.freqs, cos, sin)
+        while len(tables) > TABLES_KEPT:
+            tables.popitem(last=False)
     return cos, sin
 
 
