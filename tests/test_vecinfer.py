@@ -155,7 +155,7 @@ def test_word_packing_is_the_bit_expansion(bits, monkeypatch):
     for m in (1, 3, 4, 8, 16, 24, 32):
         c = mx.array(rng.integers(0, 2**bits, size=(2, 3, 5, m)).astype(np.uint32))
         cases.append((m, c, pack_codes(c, bits)))
-        mx.eval(cases[-1][2], unpack_codes(cases[-1][2], bits, m))
+        assert mx.array_equal(unpack_codes(cases[-1][2], bits, m), c).item(), m  # word path
     took_words = [codes_mod._word_groups(bits, m) is not None for m, _, _ in cases]
     monkeypatch.setattr(codes_mod, "_word_groups", lambda bits, n: None)
     for (m, c, packed), words in zip(cases, took_words, strict=True):
@@ -226,6 +226,10 @@ def test_rotated_mean_from_the_table_is_the_models_rope(traditional, freqs):
         64, traditional, None if freqs else 2e4, 1.0 if freqs else 0.5, table * 2 if freqs else None
     )
     assert not mx.array_equal(rope_mod.rotation_table(other, offset, length)[0], kept[0]).item()
+    shifted = spec.apply(mx.broadcast_to(mean[None, :, None, :], (1, 3, length, 64)), offset + 1)
+    np.testing.assert_array_equal(  # the offset is part of the memo's key
+        np.array(rotated_mean(mean, spec, offset + 1, length)), np.array(shifted)
+    )
     huge = rope_mod.TABLE_KEPT_ELEMENTS // 64 + 1  # tables this long are not kept
     assert (
         rope_mod.rotation_table(spec, 0, huge)[0] is not rope_mod.rotation_table(spec, 0, huge)[0]

@@ -135,7 +135,8 @@ def rotation_table(rope: RopeSpec, offset: int, length: int) -> tuple[mx.array, 
     The rotated key mean of every layer at a step spans the same positions, and computing
     cos / sin is what costs on the CPU (a scalar call per element; the numbers are in
     benchmarks/results/bench_vecinfer-default-layout-cpu.txt). So the last few tables asked for
-    are kept, per thread, and shared by all layers."""
+    are kept, per thread, and shared by all layers; a spec's `freqs` must not be written in
+    place (the memo keys it by identity)."""
     key = (rope.dims, rope.traditional, rope.base, rope.scale, id(rope.freqs), offset, length)
     tables = _tables()
     hit = tables.get(key)
