@@ -3509,15 +3509,15 @@ def reference_attention(
     o_code = mx.zeros((b, h, g, n, d), f32)
     piece = max(TILE, min(PIECE_TOKENS, PIECE_ELEMENTS // max(1, b * n_q * n)))
     kbuf, vbuf = cache._kbuf, cache._vbuf
-    if cache.key_mean is not None and n_coded >= TABLE_MIN_LENGTH:
+    mean = None if cache.key_mean is None else cache.key_mean.astype(f32)
+    if mean is not None and n_coded >= TABLE_MIN_LENGTH:
         # one table for the whole coded span, the same for every layer at this step
         cos, sin = rotation_table(cache.rope, cache.sinks, n_coded)
     for a in range(0, n_coded, piece):
         e = min(n_coded, a + piece)
         kt = pq_decode(kbuf[:, :, a:e], cache.key_codebook, cache.key_sub_dim, cache.key_bits, d)
         s = qt @ kt.swapaxes(-1, -2)
-        if cache.key_mean is not None:
-            mean = cache.key_mean.astype(f32)
+        if mean is not None:
             if n_coded >= TABLE_MIN_LENGTH:
                 mu = rotate_by_table(mean, cache.rope, cos[a:e], sin[a:e])
             else:
