@@ -34,8 +34,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from veloxquant import KVCacheConfig, attention, make_cache
+from veloxquant import KVCacheConfig, attention, cpu_kernels, make_cache
 from veloxquant.kernels import backend as kernel_backend
+from veloxquant.methods.vecinfer import kernels as vecinfer_kernels
 from veloxquant.methods.vecinfer import DEFAULTS, METHOD
 from veloxquant.methods.vecinfer.calibrate import n_books
 from veloxquant.model_import import load_model
@@ -181,40 +182,55 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
         else:
             vi = filled_caches(model, config, ctx)
         arms = {"fp16 KVCache": fp, "vecinfer transient": vi}
-        # the fused path: the kernels on a GPU, their pure-MLX twin elsewhere (the CPU ratio)
+        # the fused path: the kernels on a GPU; on the CPU their pure-MLX twin, and the CPU
+        # extension's kernel where it is built (vecinfer_kernels.CPU_KERNEL picks, per arm)
         attention.install()
-        fused_name = "vecinfer fused" if kernel_backend() is not None else "vecinfer twin"
+        on_gpu = kernel_backend() is not None
+        fused_names = ["vecinfer fused"] if on_gpu else ["vecinfer twin"]
+        if not on_gpu and cpu_kernels.available():
+            fused_names.append("vecinfer cpu kernel")
+        cpu_kernel_arm = {name: name == "vecinfer cpu kernel" for name in arms}
         if attention.routes(model):
-            if args.default_layout:
-                fused = default_layout_caches(model, ctx)
-            else:
-                fused = filled_caches(model, config, ctx)
-            for c in fused:
-                c.fused = True
-            arms[fused_name] = fused
+            for name in fused_names:
+                if args.default_layout:
+                    fused = default_layout_caches(model, ctx)
+                else:
+                    fused = filled_caches(model, config, ctx)
+                for c in fused:
+                    c.fused = True
+                arms[name] = fused
+                cpu_kernel_arm[name] = name == "vecinfer cpu kernel"
+        fused_name = fused_names[0]
         if fused_name in arms:
             # same contents (same fill), so the first step's logits must agree
             lt = model(token, cache=vi).astype(mx.float32)
-            lf = model(token, cache=arms[fused_name]).astype(mx.float32)
-            err = float(mx.abs(lt - lf).max())
-            print(
-                f"  {fused_name} vs transient logits at {ctx}: max |diff| {err:.4g} "
-                f"(max |logit| {float(mx.abs(lt).max()):.4g}), same argmax "
-                f"{bool(mx.array_equal(lt.argmax(-1), lf.argmax(-1)))}"
-            )
-        for caches in arms.values():
+            for name in fused_names:
+                vecinfer_kernels.CPU_KERNEL = cpu_kernel_arm[name]
+                lf = model(token, cache=arms[name]).astype(mx.float32)
+                err = float(mx.abs(lt - lf).max())
+                print(
+                    f"  {name} vs transient logits at {ctx}: max |diff| {err:.4g} "
+                    f"(max |logit| {float(mx.abs(lt).max()):.4g}), same argmax "
+                    f"{bool(mx.array_equal(lt.argmax(-1), lf.argmax(-1)))}"
+                )
+        for name, caches in arms.items():
+            vecinfer_kernels.CPU_KERNEL = cpu_kernel_arm[name]
             decode_step(model, caches, token)  # warm-up: compile, allocate
         times = {name: [] for name in arms}
         names = list(arms)
         for r in range(args.repeats):
             for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate the order
+                vecinfer_kernels.CPU_KERNEL = cpu_kernel_arm[name]
                 t0 = time.perf_counter()
                 decode_step(model, arms[name], token)
                 times[name].append(time.perf_counter() - t0)
-        if fused_name in arms:
-            paths = {c.last_attention for c in arms[fused_name]}
-            want = {"kernel"} if kernel_backend() is not None else {"reference"}
-            assert paths == want, f"{fused_name} arm attended via {paths}"
+        vecinfer_kernels.CPU_KERNEL = True
+        want = {"vecinfer fused": "kernel", "vecinfer twin": "reference"}
+        want["vecinfer cpu kernel"] = "cpu-kernel"
+        for name in fused_names:
+            if name in arms:
+                paths = {c.last_attention for c in arms[name]}
+                assert paths == {want[name]}, f"{name} arm attended via {paths}"
         print(f"decode step at {ctx} context ({args.repeats} interleaved repeats):")
         for name in names:
             print(f"  {name:<20} {fmt(times[name], 1e3, ' ms')}")

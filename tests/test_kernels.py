@@ -98,17 +98,30 @@ def _config(name: str, bundle) -> KVCacheConfig:
 # ------------------------------------------------------------------ 1. twin vs transient
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+# how fused caches attend on this machine's CPU: the CPU extension's kernel where it is built
+CPU_FUSED = "cpu-kernel" if K.cpu_kernels.available() else "reference"
+
+
+# every configuration on the CPU kernel (where the extension is built; the twin elsewhere), and
+# the calibrated one on the twin too (what a mask array, and a CPU without the extension, take)
+@pytest.mark.parametrize(
+    "name, cpu_kernel",
+    [(name, True) for name in sorted(CONFIGS)] + [("calibrated", False)],
+    ids=[f"{name}-cpu-kernel" for name in sorted(CONFIGS)] + ["calibrated-twin"],
+)
 def test_fused_twin_matches_transient_path_on_the_real_model(
-    name, smollm2, bundle, prompt, monkeypatch
+    name, cpu_kernel, smollm2, bundle, prompt, monkeypatch
 ):
     model, _ = smollm2
+    monkeypatch.setattr(K, "CPU_KERNEL", cpu_kernel)
+    cpu_path = CPU_FUSED if cpu_kernel else "reference"
     config = _config(name, bundle)
     ref = _caches(model, config, False, monkeypatch)
     fused = _caches(model, config, True, monkeypatch)
-    # prefill in chunks (the twin with a causal mask), then greedy decode (one query)
+    # prefill in chunks (the twin or the CPU kernel, with a causal mask), then greedy decode
+    # (one query)
     la, lb = _prefill(model, ref, prompt), _prefill(model, fused, prompt)
-    assert all(c.last_attention == "reference" for c in fused)
+    assert all(c.last_attention == cpu_path for c in fused)
     assert all(c.last_attention == "transient" for c in ref)
     for step in range(64):  # 64 greedy tokens, the same on both paths
         # float32 rounding of two algebraically equal sums, compounded over 30 layers and
@@ -125,8 +138,8 @@ def test_fused_twin_matches_transient_path_on_the_real_model(
         la = model(tok[:, None], cache=ref)[:, -1]
         lb = model(tok[:, None], cache=fused)[:, -1]
         mx.eval(la, lb)
-    # decode: the real kernels where MLX runs on a GPU, the twin on the CPU
-    decode_path = "kernel" if backend() else "reference"
+    # decode: the real kernels where MLX runs on a GPU, the twin or the CPU kernel on the CPU
+    decode_path = "kernel" if backend() else cpu_path
     assert all(c.last_attention == decode_path for c in fused)
     for i, (a, b) in enumerate(zip(ref, fused, strict=True)):
         assert a.offset == b.offset and a.key_codes.shape == b.key_codes.shape
@@ -787,6 +800,7 @@ def test_cache_kernel_path_writes_the_cache_in_place(
     import veloxquant.kernels as vk
 
     model, _ = smollm2
+    monkeypatch.setattr(K, "CPU_KERNEL", False)  # the twin is the oracle
     monkeypatch.setattr(VecInferCache, "CODE_STEP", 16 if mma else 8)
     monkeypatch.setattr(K, "ONE_LAUNCH", one_launch)
     monkeypatch.setattr(K, "MMA", mma)
@@ -896,7 +910,7 @@ def test_rows_handed_on_unrotated_are_rotated_on_every_other_path():
         c.update_and_fetch(k_in, v)
         assert (c._pending["deferral"] is not None) is deferring
         out = c.fused_attention(q_in, scale=0.1)
-        assert c.last_attention == "reference"
+        assert c.last_attention == CPU_FUSED
         slot = (c._ring - 1) % c.window  # the new token's ring slot
         ring = c._wk[:, :, slot]
         # an update whose attention never runs: the cache keeps the rotated key, then raises
@@ -1341,7 +1355,7 @@ def test_path_selection_and_errors(smollm2, bundle, monkeypatch):
 
     caches = _caches(model, config, True, monkeypatch)
     assert attention.installed() and attention.routes(model)
-    assert all(c.attention_path == ("kernel" if backend() else "reference") for c in caches)
+    assert all(c.attention_path == ("kernel" if backend() else CPU_FUSED) for c in caches)
     # an update whose attention never came (the model's attention was not routed) fails loudly
     k = mx.zeros((1, 3, 1, 64))
     caches[0].update_and_fetch(k, k)
@@ -1384,7 +1398,7 @@ def test_a_loaded_state_fuses_only_once_its_attention_is_seen_routed(
         diffs.append(mx.abs(model(x, cache=ref) - model(x, cache=loaded)).max().item())
     assert diffs[0] == 0.0
     if routed:
-        assert all(c.fused and c.last_attention == "reference" for c in loaded)
+        assert all(c.fused and c.last_attention == CPU_FUSED for c in loaded)
         assert 0.0 < max(diffs) < 0.2
     else:
         assert diffs == [0.0] * 4 and not any(c.fused for c in loaded)

@@ -949,6 +949,213 @@ class KmeansPPDraws : public CpuPrimitive {
   }
 };
 
+// VecInfer's attention over the coded past, straight from the codes (veloxquant/methods/vecinfer/
+// kernels.py `cpu_kernel_attention`; its oracle is `reference_attention`, the same algebra in MLX
+// ops). Per KV head, its R query rows (the G query heads it serves, times the queries) score every
+// coded token as q̃·codeword-decoded key, plus q·RoPE_t(μ) written as A·cos_t + B·sin_t with
+// A = q ⊙ μ and B = q ⊙ swap(μ) (the caller's), keep an online softmax, and sum p · the decoded
+// value codewords. The past is cut into segments of CODED_SEGMENT tokens, each attended on its
+// own (its running max, sum and output) and merged in order at the end; threads take whole
+// segments, so the bits do not depend on how many threads there are. Nothing of size
+// [tokens, head_dim] is ever built: a block of CODED_BLOCK tokens' scores and one decoded row at
+// a time.
+constexpr int64_t CODED_SEGMENT = 512;
+constexpr int64_t CODED_BLOCK = 64;
+
+// Code i of a little-endian bit stream of `bits`-bit codes (bits <= 16); `row` has 3 bytes of
+// padding past its last code.
+inline uint32_t code_of(const uint8_t* row, int64_t i, int bits) {
+  const int64_t bit = i * bits;
+  uint32_t word;
+  std::memcpy(&word, row + (bit >> 3), sizeof(word));
+  return (word >> (bit & 7)) & ((1u << bits) - 1u);
+}
+
+// row [M·d] = the codewords of one token's M codes, book [K, d].
+inline void decode_row(
+    const uint8_t* codes, const float* book, int64_t m, int d, int bits, float* row) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* word = book + static_cast<int64_t>(code_of(codes, i, bits)) * d;
+    switch (d) {
+      case 1: row[i] = word[0]; break;
+      case 2: std::memcpy(row + 2 * i, word, 2 * sizeof(float)); break;
+      case 4: std::memcpy(row + 4 * i, word, 4 * sizeof(float)); break;
+      case 8: std::memcpy(row + 8 * i, word, 8 * sizeof(float)); break;
+      default: std::memcpy(row + i * d, word, d * sizeof(float));
+    }
+  }
+}
+
+// Σ_j a[j]·b[j] for j < n.
+__attribute__((target("avx2,fma"))) inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+  }
+  for (; j + 8 <= n; j += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+  }
+  acc0 = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float sum = _mm_cvtss_f32(s);
+  for (; j < n; ++j) sum += a[j] * b[j];
+  return sum;
+}
+
+// y[j] = y[j] * scale + p * x[j] for j < n (scale 1 skips the product).
+__attribute__((target("avx2,fma"))) inline void scale_add(
+    float* y, float scale, float p, const float* x, int64_t n) {
+  const __m256 vs = _mm256_set1_ps(scale), vp = _mm256_set1_ps(p);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_loadu_ps(y + j);
+    if (scale != 1.0f) v = _mm256_mul_ps(v, vs);
+    _mm256_storeu_ps(y + j, _mm256_fmadd_ps(vp, _mm256_loadu_ps(x + j), v));
+  }
+  for (; j < n; ++j) y[j] = (scale != 1.0f ? y[j] * scale : y[j]) + p * x[j];
+}
+
+struct CodedLayout {
+  int64_t batch, heads, rows, dim, capacity, n_coded;
+  int64_t key_bytes, value_bytes, key_codes, value_codes, key_books, value_books;
+  int key_bits, key_sub, value_bits, value_sub;
+  int64_t key_k, value_k;
+  bool mean;
+
+  bool operator==(const CodedLayout&) const = default;
+};
+
+// One segment [t0, t1) of KV head (b, h): m [R], l [R], o [R, D] of exp(score - m).
+__attribute__((target("avx2,fma"))) void coded_segment(
+    const CodedLayout& L, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* qt,
+    const float* ab, const uint8_t* kcodes, const float* kbook, const uint8_t* vcodes,
+    const float* vbook, const float* cos, const float* sin, float* m_out, float* l_out,
+    float* o_out) {
+  const int64_t R = L.rows, D = L.dim, bh = b * L.heads + h;
+  const float* q = qt + bh * R * D;
+  const float* a = L.mean ? ab + bh * R * 2 * D : nullptr;
+  const float* kb = kbook + (L.key_books > 1 ? h : 0) * L.key_k * L.key_sub;
+  const float* vb = vbook + (L.value_books > 1 ? h : 0) * L.value_k * L.value_sub;
+  const uint8_t* kc = kcodes + bh * L.capacity * L.key_bytes;
+  const uint8_t* vc = vcodes + bh * L.capacity * L.value_bytes;
+  std::vector<float> scores(R * CODED_BLOCK), row(D);
+  std::vector<uint8_t> codes(CODED_BLOCK * std::max(L.key_bytes, L.value_bytes) + 4);
+  std::vector<float> alpha(R);
+  for (int64_t r = 0; r < R; ++r) {
+    m_out[r] = -std::numeric_limits<float>::infinity();
+    l_out[r] = 0.0f;
+  }
+  std::fill(o_out, o_out + R * D, 0.0f);
+  for (int64_t t = t0; t < t1; t += CODED_BLOCK) {
+    const int64_t n = std::min(CODED_BLOCK, t1 - t);
+    std::memcpy(codes.data(), kc + t * L.key_bytes, n * L.key_bytes);
+    for (int64_t i = 0; i < n; ++i) {
+      decode_row(codes.data() + i * L.key_bytes, kb, L.key_codes, L.key_sub, L.key_bits,
+                 row.data());
+      for (int64_t r = 0; r < R; ++r) {
+        float s = dot(q + r * D, row.data(), D);
+        if (L.mean) {
+          s += dot(a + r * 2 * D, cos + (t + i) * D, D) +
+               dot(a + r * 2 * D + D, sin + (t + i) * D, D);
+        }
+        scores[r * CODED_BLOCK + i] = s;
+      }
+    }
+    // the block's softmax step per row: scores become exp(score - new max), o and l rescale
+    for (int64_t r = 0; r < R; ++r) {
+      float* s = scores.data() + r * CODED_BLOCK;
+      const float block_max = row_max(s, n);
+      const float m_new = std::max(m_out[r], block_max);
+      alpha[r] = m_out[r] == m_new ? 1.0f : std::exp(m_out[r] - m_new);
+      l_out[r] = l_out[r] * alpha[r] + exps_and_sum(s, s, n, m_new);
+      m_out[r] = m_new;
+    }
+    std::memcpy(codes.data(), vc + t * L.value_bytes, n * L.value_bytes);
+    for (int64_t i = 0; i < n; ++i) {
+      decode_row(codes.data() + i * L.value_bytes, vb, L.value_codes, L.value_sub,
+                 L.value_bits, row.data());
+      for (int64_t r = 0; r < R; ++r) {
+        scale_add(o_out + r * D, i == 0 ? alpha[r] : 1.0f, scores[r * CODED_BLOCK + i],
+                  row.data(), D);
+      }
+    }
+  }
+}
+
+// Inputs qt [B, H, R, D], ab [B, H, R, 2D] (or [1]: no mean), key codes [B, H, capacity, key
+// bytes], key book [1 or H, K, d], value codes, value book, cos and sin [n_coded, D] (or [1]);
+// outputs m [B, H, R], l [B, H, R], o [B, H, R, D] over the first n_coded coded tokens.
+class VecinferCodedAttention : public CpuPrimitive {
+ public:
+  VecinferCodedAttention(mx::Stream stream, CodedLayout layout)
+      : CpuPrimitive(stream), layout_(layout) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = begin_eval(stream(), inputs, outputs);
+    const CodedLayout L = layout_;
+    const float *qt = inputs[0].data<float>(), *ab = inputs[1].data<float>();
+    const uint8_t* kc = inputs[2].data<uint8_t>();
+    const float* kb = inputs[3].data<float>();
+    const uint8_t* vc = inputs[4].data<uint8_t>();
+    const float *vb = inputs[5].data<float>(), *cos = inputs[6].data<float>(),
+                *sin = inputs[7].data<float>();
+    float *m = outputs[0].data<float>(), *l = outputs[1].data<float>(),
+          *o = outputs[2].data<float>();
+    encoder.dispatch([=]() {
+      const int64_t R = L.rows, D = L.dim, heads = L.batch * L.heads;
+      const int64_t segments = std::max<int64_t>(1, (L.n_coded + CODED_SEGMENT - 1) / CODED_SEGMENT);
+      const int64_t units = heads * segments;
+      std::vector<float> pm(units * R), pl(units * R), po(units * R * D);
+      const int64_t parts = std::min<int64_t>(
+          units, worker_threads(L.n_coded * heads * R * D * 16));
+      run_parts(parts, [&](int64_t part, int64_t n_parts) {
+        for (int64_t u = part * units / n_parts; u < (part + 1) * units / n_parts; ++u) {
+          const int64_t bh = u / segments, seg = u % segments;
+          const int64_t t0 = seg * CODED_SEGMENT;
+          const int64_t t1 = std::min(L.n_coded, t0 + CODED_SEGMENT);
+          coded_segment(L, bh / L.heads, bh % L.heads, t0, t1, qt, ab, kc, kb, vc, vb, cos, sin,
+                        pm.data() + u * R, pl.data() + u * R, po.data() + u * R * D);
+        }
+      });
+      // merge each head's segments, in order
+      for (int64_t bh = 0; bh < heads; ++bh) {
+        for (int64_t r = 0; r < R; ++r) {
+          float mx_all = -std::numeric_limits<float>::infinity();
+          for (int64_t s = 0; s < segments; ++s) {
+            mx_all = std::max(mx_all, pm[(bh * segments + s) * R + r]);
+          }
+          float sum = 0.0f;
+          float* out = o + (bh * R + r) * D;
+          std::fill(out, out + D, 0.0f);
+          for (int64_t s = 0; s < segments; ++s) {
+            const int64_t u = bh * segments + s;
+            const float w = pm[u * R + r] == mx_all ? 1.0f : std::exp(pm[u * R + r] - mx_all);
+            sum += pl[u * R + r] * w;
+            scale_add(out, 1.0f, w, po.data() + (u * R + r) * D, D);
+          }
+          m[bh * R + r] = mx_all;
+          l[bh * R + r] = sum;
+        }
+      }
+    });
+  }
+
+  const char* name() const override {
+    return "VeloxquantCpuVecinferCodedAttention";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return layout_ == static_cast<const VecinferCodedAttention&>(other).layout_;
+  }
+
+ private:
+  CodedLayout layout_;
+};
+
 mx::Stream cpu_stream() {
   const mx::Stream stream = mx::default_stream(mx::default_device());
   if (stream.device.type != mx::Device::DeviceType::cpu) {
@@ -1134,6 +1341,67 @@ std::vector<mx::array> kmeanspp_draws(const mx::array& x, const mx::array& first
       {mx::contiguous(x, false, s), mx::contiguous(first, false, s), mx::contiguous(u, false, s)});
 }
 
+// The op: (m, l, o) of VecinferCodedAttention, its inputs checked against one another.
+std::vector<mx::array> vecinfer_coded_attention(
+    const mx::array& qt, const mx::array& ab, const mx::array& key_codes,
+    const mx::array& key_book, const mx::array& value_codes, const mx::array& value_book,
+    const mx::array& cos, const mx::array& sin, int64_t n_coded, int key_bits, int value_bits) {
+  for (const auto* x : {&qt, &ab, &key_book, &value_book, &cos, &sin}) check_float32(*x, 1);
+  const auto fail = [](const std::string& what) {
+    throw std::invalid_argument("[veloxquant.cpu_kernels] vecinfer_coded_attention: " + what);
+  };
+  if (qt.ndim() != 4 || key_codes.ndim() != 4 || value_codes.ndim() != 4 ||
+      key_book.ndim() != 3 || value_book.ndim() != 3) {
+    fail("takes qt [B, H, R, D], codes [B, H, capacity, bytes] and books [1 or H, K, d]");
+  }
+  if (key_codes.dtype() != mx::uint8 || value_codes.dtype() != mx::uint8) fail("codes are uint8");
+  CodedLayout L{};
+  L.batch = qt.shape(0), L.heads = qt.shape(1), L.rows = qt.shape(2), L.dim = qt.shape(3);
+  L.capacity = key_codes.shape(2), L.n_coded = n_coded;
+  L.key_bytes = key_codes.shape(3), L.value_bytes = value_codes.shape(3);
+  L.key_books = key_book.shape(0), L.value_books = value_book.shape(0);
+  L.key_bits = key_bits, L.value_bits = value_bits;
+  L.key_k = key_book.shape(1), L.value_k = value_book.shape(1);
+  L.key_sub = key_book.shape(2), L.value_sub = value_book.shape(2);
+  L.mean = ab.ndim() == 4;
+  for (int bits : {key_bits, value_bits}) {
+    if (bits < 1 || bits > 16) fail("code widths are 1-16 bits");
+  }
+  if (L.key_k != (int64_t{1} << key_bits) || L.value_k != (int64_t{1} << value_bits)) {
+    fail("a book has 2^bits codewords");
+  }
+  if (L.dim % L.key_sub || L.dim % L.value_sub) fail("sub-vector dims must divide D");
+  L.key_codes = L.dim / L.key_sub, L.value_codes = L.dim / L.value_sub;
+  const mx::Shape codes_k = {qt.shape(0), qt.shape(1), key_codes.shape(2),
+                             static_cast<int>((L.key_codes * key_bits + 7) / 8)};
+  const mx::Shape codes_v = {qt.shape(0), qt.shape(1), key_codes.shape(2),
+                             static_cast<int>((L.value_codes * value_bits + 7) / 8)};
+  if (key_codes.shape() != codes_k || value_codes.shape() != codes_v) {
+    fail("code buffers must be [B, H, capacity, packed bytes] of the books' widths");
+  }
+  if (n_coded < 0 || n_coded > L.capacity) fail("n_coded must be within the buffers");
+  for (int64_t books : {L.key_books, L.value_books}) {
+    if (books != 1 && books != L.heads) fail("books are shared [1, ...] or per head [H, ...]");
+  }
+  if (L.mean) {
+    const mx::Shape table = {static_cast<int>(n_coded), qt.shape(3)};
+    mx::Shape ab_shape = qt.shape();
+    ab_shape.back() *= 2;
+    if (ab.shape() != ab_shape || cos.shape() != table || sin.shape() != table) {
+      fail("the mean terms are ab [B, H, R, 2D] and cos, sin [n_coded, D]");
+    }
+  }
+  const mx::Stream s = cpu_stream();
+  const mx::Shape rows = {qt.shape(0), qt.shape(1), qt.shape(2)};
+  return mx::array::make_arrays(
+      {rows, rows, qt.shape()}, {mx::float32, mx::float32, mx::float32},
+      std::make_shared<VecinferCodedAttention>(s, L),
+      {mx::contiguous(qt, false, s), mx::contiguous(ab, false, s),
+       mx::contiguous(key_codes, false, s), mx::contiguous(key_book, false, s),
+       mx::contiguous(value_codes, false, s), mx::contiguous(value_book, false, s),
+       mx::contiguous(cos, false, s), mx::contiguous(sin, false, s)});
+}
+
 // The exp alone, over a buffer of float32s, for the exhaustive comparison with mx.exp.
 __attribute__((target("avx2,fma"))) nb::bytes exp_float32(nb::bytes data) {
   if (data.size() % (8 * sizeof(float)) != 0) {
@@ -1169,6 +1437,10 @@ NB_MODULE(_cpu_kernels, m) {
         nb::arg("cross"));
   m.def("cluster_sums", &cluster_sums, nb::arg("x"), nb::arg("codes"), nb::arg("k"));
   m.def("kmeanspp_draws", &kmeanspp_draws, nb::arg("x"), nb::arg("first"), nb::arg("u"));
+  m.def("vecinfer_coded_attention", &vecinfer_coded_attention, nb::arg("qt"), nb::arg("ab"),
+        nb::arg("key_codes"), nb::arg("key_book"), nb::arg("value_codes"),
+        nb::arg("value_book"), nb::arg("cos"), nb::arg("sin"), nb::arg("n_coded"),
+        nb::arg("key_bits"), nb::arg("value_bits"));
   m.def("exp_float32", &exp_float32, nb::arg("data"));
   m.def("cpu_supported", &cpu_supported);
   m.def("set_wide_assign", [](bool on) { g_wide_assign = on; }, nb::arg("on"));

@@ -22,6 +22,9 @@ artifacts do not depend on whether it is built. Gradients are MLX's, op for op.
   scatter-adds (`veloxquant.kmeans`), without the [vectors, centroids] score block;
 - `nearest_pair_codeword(u, v, cross)`: CommVQ's nearest of its 4096 codewords, without the
   [vectors, 4096] score block;
+- `vecinfer_coded_attention(...)`: VecInfer's decode attention over the coded past straight
+  from the codes, nothing of [tokens, head_dim] built; the one kernel here that does not
+  reproduce MLX's bits (it is not a rewrite of an MLX op; its oracle is the pure-MLX twin);
 - `vectorized()`: for the duration of a block, mlx-lm's attention on the CPU in float32
   (through `veloxquant.attention.cpu_attention`) and its swiglu use them.
 
@@ -442,6 +445,53 @@ def kmeanspp_draws(x: mx.array, first: mx.array, u: mx.array) -> mx.array:
         )
     (idx,) = _module.kmeanspp_draws(x, first, u)
     return idx
+
+
+def vecinfer_coded_attention(
+    qt: mx.array,
+    ab: mx.array | None,
+    key_codes: mx.array,
+    key_book: mx.array,
+    value_codes: mx.array,
+    value_book: mx.array,
+    cos: mx.array | None,
+    sin: mx.array | None,
+    n_coded: int,
+    key_bits: int,
+    value_bits: int,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """VecInfer's attention over the first n_coded coded tokens, straight from the packed codes,
+    in one pass (`veloxquant.methods.vecinfer.kernels.cpu_kernel_attention`): the transformed,
+    scaled query rows qt [B, H, R, D]; with a key mean, ab = [q ⊙ μ | q ⊙ swap(μ)] [B, H, R, 2D]
+    and the RoPE table cos, sin [n_coded, D] of the coded positions (`veloxquant.rope.
+    rotation_table`), else None; code buffers [B, H, capacity, bytes] uint8; books [1 or H, 2^bits,
+    d] float32 -> (running max [B, H, R], sum [B, H, R], Σ exp(s - max) · value codewords
+    [B, H, R, D]). Not the bits of MLX's ops (its sums run in another order): the kernel tests
+    bound it against the pure-MLX twin."""
+    mean = (ab, cos, sin)
+    if not usable(qt, key_book, value_book, *[x for x in mean if x is not None]):
+        raise ValueError(
+            "cpu_kernels.vecinfer_coded_attention takes float32 queries and books on the CPU "
+            "with the extension built"
+        )
+    if any(x is None for x in mean) and any(x is not None for x in mean):
+        raise ValueError("vecinfer_coded_attention: ab, cos and sin come together (a key mean)")
+    if ab is None:
+        ab = cos = sin = mx.zeros((1,), mx.float32)
+    running_max, total, output = _module.vecinfer_coded_attention(
+        qt,
+        ab,
+        key_codes,
+        key_book,
+        value_codes,
+        value_book,
+        cos,
+        sin,
+        n_coded,
+        key_bits,
+        value_bits,
+    )
+    return running_max, total, output
 
 
 @contextlib.contextmanager

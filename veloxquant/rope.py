@@ -162,13 +162,17 @@ def rotation_table(rope: RopeSpec, offset: int, length: int) -> tuple[mx.array, 
     return cos, sin
 
 
+def swap_pairs(x: mx.array, rope: RopeSpec) -> mx.array:
+    """x [..., D] with the two elements of every rotated pair exchanged (`rotation_table`)."""
+    d = x.shape[-1]
+    if rope.traditional:
+        return mx.stack([x[..., 1::2], x[..., 0::2]], axis=-1).reshape(x.shape)
+    return mx.concatenate([x[..., d // 2 :], x[..., : d // 2]], axis=-1)
+
+
 def rotate_by_table(x: mx.array, rope: RopeSpec, cos: mx.array, sin: mx.array) -> mx.array:
     """RoPE of rows x [H, D] at the positions of a `rotation_table` [L, D] -> [1, H, L, D]."""
-    h, d = x.shape
-    if rope.traditional:
-        swapped = mx.stack([x[:, 1::2], x[:, 0::2]], axis=-1).reshape(h, d)
-    else:
-        swapped = mx.concatenate([x[:, d // 2 :], x[:, : d // 2]], axis=-1)
+    swapped = swap_pairs(x, rope)
     return x[None, :, None, :] * cos[None, None] + swapped[None, :, None, :] * sin[None, None]
 
 

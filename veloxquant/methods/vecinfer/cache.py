@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
 import veloxquant.methods.vecinfer.kernels  # noqa: F401  (read from the package per call, below)
-from veloxquant import attention
+from veloxquant import attention, cpu_kernels
 from veloxquant import rope as rope_tap
 from veloxquant.codes import code_bytes, pq_decode, pq_encode
 from veloxquant.kmeans import check_finite
@@ -359,15 +359,21 @@ class VecInferCache(CompressedCache):
 
     @property
     def attention_path(self) -> str:
-        """How decode attention runs: "kernel" (fused GPU kernels), "reference" (the fused
-        algebra in MLX ops: CPU, or a layout the kernels do not take) or "transient" (the
-        coded past dequantized, then mlx-lm's attention: the fallback). `last_attention` says
-        what the latest call used (prefill chunks always take "reference" when fused)."""
+        """How decode attention runs: "kernel" (fused GPU kernels), "cpu-kernel" (MLX on the
+        CPU: the coded past attended by the CPU extension's one-pass kernel), "reference" (the
+        fused algebra in MLX ops: the CPU without the extension, or a layout the kernels do not
+        take) or "transient" (the coded past dequantized, then mlx-lm's attention: the
+        fallback). `last_attention` says what the latest call used (on a GPU, prefill chunks
+        take "reference" when fused; on the CPU, calls with a mask array do)."""
         if not self.fused:
             return "transient"
         from veloxquant.methods.vecinfer import kernels
 
-        return "kernel" if kernels.kernels_take(self, self.smooth.shape[0]) else "reference"
+        if kernels.kernels_take(self, self.smooth.shape[0]):
+            return "kernel"
+        if kernels.CPU_KERNEL and mx.default_device() == mx.cpu and cpu_kernels.available():
+            return "cpu-kernel"
+        return "reference"
 
     def _check_no_pending(self) -> None:
         if self._pending is not None:
@@ -579,11 +585,14 @@ class VecInferCache(CompressedCache):
             elif codes is not None:
                 self._append_codes(*codes)
             return out
-        self.last_attention = "reference"
         pending, queries = self._rotated_new(pending), rope_tap.rotated(queries)
-        self._sync()  # the twin reads the code buffers
+        self._sync()  # the twin and the CPU kernel read the code buffers
         self._write_ring(pending)
         pending = self._encode_leaving(pending)
+        if kernels.cpu_kernel_takes(self, queries, mask):
+            self.last_attention = "cpu-kernel"
+            return kernels.cpu_kernel_attention(self, queries, scale, mask, pending)
+        self.last_attention = "reference"
         return kernels.reference_attention(self, queries, scale, mask, pending)
 
     # -- prompt-cache state: arrays by name, scalars in meta_state (methods/base.py)

@@ -62,7 +62,7 @@ import mlx.core as mx
 import numpy as np
 
 import veloxquant.kernels as vk  # its functions looked up per call: tests stub `vk.backend`
-from veloxquant import attention
+from veloxquant import attention, cpu_kernels
 from veloxquant.codes import code_bytes, pq_decode
 from veloxquant.kernels import (
     TENSOR_CORE_HELPERS,
@@ -77,6 +77,7 @@ from veloxquant.rope import (
     rotate_by_table,
     rotated_mean,
     rotation_table,
+    swap_pairs,
 )
 
 TILE = 128  # tokens per tile and threads per threadgroup of the partial kernel
@@ -3472,6 +3473,9 @@ def encode(cache: Any, k_src: mx.array, v_src: mx.array, first: int, n: int, pos
 # ---------------------------------------------------------------------------------------------
 # The pure-MLX twin: the same algebra in MLX ops, over pieces of the coded past
 
+# Fused attention on the CPU attends the coded past with the CPU extension's one-pass kernel
+# (`cpu_kernel_attention`) where it takes the call, and with the twin's pieces otherwise.
+CPU_KERNEL = True
 # Scores alive at once in one piece (float32 elements): bounds prefill's peak memory.
 PIECE_ELEMENTS = 1 << 25
 PIECE_TOKENS = 16384
@@ -3484,29 +3488,105 @@ def reference_attention(
     tokens and the pending exact tokens, by the fused algebra (q̃·codeword + phase, value
     codewords aggregated before the inverse transform), with an online softmax over pieces of
     the coded past so no more than a piece is ever decoded. Float32 math."""
+    rows = _query_rows(cache, queries, scale)
+    exact = attention.exact_tokens(cache, pending)
+    coded = _coded_pieces(cache, rows, mask, pending, exact)
+    return _finish_attention(cache, rows, coded, mask, pending, exact)
+
+
+def cpu_kernel_attention(
+    cache: Any, queries: mx.array, scale: float, mask: Any, pending: dict
+) -> mx.array:
+    """`reference_attention` with the coded past attended in one pass of the CPU extension's
+    `vecinfer_coded_attention` (veloxquant.cpu_kernels), straight from the packed codes: no
+    piece of keys or values is decoded into an array. Takes what `cpu_kernel_takes` accepts."""
+    rows = _query_rows(cache, queries, scale)
+    b, h, g, n, d = rows["shape"]
+    n_coded = int(pending["n_coded"])
+    if n_coded == 0:
+        coded = _no_coded(rows)
+    else:
+        ab = cos = sin = None
+        if cache.key_mean is not None:
+            mean = cache.key_mean.astype(mx.float32)[None, :, None, :]
+            q = rows["q"]
+            ab = mx.concatenate([q * mean, q * swap_pairs(mean, cache.rope)], axis=-1)
+            cos, sin = rotation_table(cache.rope, cache.sinks, n_coded)
+        m, l_code, o_code = cpu_kernels.vecinfer_coded_attention(
+            rows["qt"],
+            ab,
+            cache._kbuf,
+            cache.key_codebook.astype(mx.float32),
+            cache._vbuf,
+            cache.value_codebook.astype(mx.float32),
+            cos,
+            sin,
+            n_coded,
+            cache.key_bits,
+            cache.value_bits,
+        )
+        coded = (
+            m.reshape(b, h, g, n, 1),
+            l_code.reshape(b, h, g, n, 1),
+            o_code.reshape(b, h, g, n, d),
+        )
+    exact = attention.exact_tokens(cache, pending)
+    return _finish_attention(cache, rows, coded, mask, pending, exact)
+
+
+def cpu_kernel_takes(cache: Any, queries: mx.array, mask: Any) -> bool:
+    """Whether `cpu_kernel_attention` takes this call: CPU_KERNEL on, MLX on the CPU with the
+    extension built (veloxquant.cpu_kernels.available), code buffers of the cache's batch, and
+    a mask under which every query sees every coded token (none, or "causal": the coded past
+    precedes every query); a mask array (a sliding window, left padding) takes the twin."""
+    return (
+        CPU_KERNEL
+        and (mask is None or (isinstance(mask, str) and mask == "causal"))
+        and mx.default_device() == mx.cpu
+        and cpu_kernels.available()
+        and (cache._kbuf is None or cache._kbuf.shape[0] == queries.shape[0])
+    )
+
+
+def _query_rows(cache: Any, queries: mx.array, scale: float) -> dict:
+    """The scaled queries as rows of their KV head, q [B, H, G·N, D] (KV head h serves query
+    heads hG .. hG+G-1), and q̃ = Had(q ⊙ λ), float32."""
     b, n_q, n, d = queries.shape
     h = cache.smooth.shape[0]
     g = n_q // h
-    n_coded = int(pending["n_coded"])
-    f32 = mx.float32
-    fk, fv, n_sink = attention.exact_tokens(cache, pending)
-    total = n_coded + int(fk.shape[2])
-
-    # [B, H, G·N, D]: KV head h serves query heads hG .. hG+G-1
-    q = (queries.astype(f32) * scale).reshape(b, h, g * n, d)
-    lam = cache.smooth.astype(f32)[:, None, :]
-    qt = q * lam
+    q = (queries.astype(mx.float32) * scale).reshape(b, h, g * n, d)
+    qt = q * cache.smooth.astype(mx.float32)[:, None, :]
     if cache.hadamard:
         qt = mx.hadamard_transform(qt)
+    return {"q": q, "qt": qt, "shape": (b, h, g, n, d), "dtype": queries.dtype}
 
-    def rows(x: mx.array) -> mx.array:  # [B, H, G·N, L] → mask-compatible [B, H, G, N, L]
-        return x.reshape(b, h, g, n, x.shape[-1])
 
+def _no_coded(rows: dict) -> tuple[mx.array, mx.array, mx.array]:
     # a finite floor: a piece whose every column is masked (a sliding window) leaves it, where
     # -inf would give exp(-inf - -inf) = NaN
-    m_run = mx.full((b, h, g, n, 1), NEG, f32)
-    l_code = mx.zeros((b, h, g, n, 1), f32)
-    o_code = mx.zeros((b, h, g, n, d), f32)
+    b, h, g, n, d = rows["shape"]
+    f32 = mx.float32
+    return (
+        mx.full((b, h, g, n, 1), NEG, f32),
+        mx.zeros((b, h, g, n, 1), f32),
+        mx.zeros((b, h, g, n, d), f32),
+    )
+
+
+def _coded_pieces(
+    cache: Any, rows: dict, mask: Any, pending: dict, exact: tuple
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The coded past in pieces, each decoded and attended with an online softmax: (running
+    max [B, H, G, N, 1], sum, Σ p · value codewords [B, H, G, N, D]); `exact` is
+    attention.exact_tokens' (for the mask's columns)."""
+    b, h, g, n, d = rows["shape"]
+    q, qt = rows["q"], rows["qt"]
+    n_coded = int(pending["n_coded"])
+    n_q = h * g
+    f32 = mx.float32
+    fk, _, n_sink = exact
+    total = n_coded + int(fk.shape[2])
+    m_run, l_code, o_code = _no_coded(rows)
     piece = max(TILE, min(PIECE_TOKENS, PIECE_ELEMENTS // max(1, b * n_q * n)))
     kbuf, vbuf = cache._kbuf, cache._vbuf
     mean = None if cache.key_mean is None else cache.key_mean.astype(f32)
@@ -3523,7 +3603,8 @@ def reference_attention(
             else:
                 mu = rotated_mean(mean, cache.rope, cache.sinks + a, e - a)
             s = s + q @ mu.swapaxes(-1, -2)
-        s = attention.apply_mask(rows(s), attention.mask_columns(mask, n, total, n_sink + a, e - a))
+        s = s.reshape(b, h, g, n, e - a)
+        s = attention.apply_mask(s, attention.mask_columns(mask, n, total, n_sink + a, e - a))
         m_new = mx.maximum(m_run, s.max(axis=-1, keepdims=True))
         alpha = mx.exp(m_run - m_new)
         p = mx.exp(s - m_new)
@@ -3536,14 +3617,32 @@ def reference_attention(
         m_run = m_new
         if n > 1:  # prefill: keep one piece's intermediates alive at a time
             mx.eval(m_run, l_code, o_code)
+    return m_run, l_code, o_code
 
-    # the exact tokens: sinks, then the pending window and call tokens, in position order
-    s = q @ fk.swapaxes(-1, -2)
+
+def _finish_attention(
+    cache: Any,
+    rows: dict,
+    coded: tuple[mx.array, mx.array, mx.array],
+    mask: Any,
+    pending: dict,
+    exact: tuple,
+) -> mx.array:
+    """The exact tokens (sinks, then the pending window and the call's tokens, in position
+    order) merged with the coded past's running (max, sum, output), the value transform
+    applied once, normalized: the attention output [B, H_q, N, D] in the queries' dtype."""
+    b, h, g, n, d = rows["shape"]
+    q = rows["q"]
+    m_run, l_code, o_code = coded
+    n_coded = int(pending["n_coded"])
+    fk, fv, n_sink = exact
+    total = n_coded + int(fk.shape[2])
+    s = (q @ fk.swapaxes(-1, -2)).reshape(b, h, g, n, -1)
     fp_cols = [(0, n_sink)] if n_sink else []
     fp_cols.append((n_sink + n_coded, int(fk.shape[2]) - n_sink))
     masks = [attention.mask_columns(mask, n, total, st, ln) for st, ln in fp_cols]
     fm = None if masks[0] is None else mx.concatenate(masks, axis=-1)
-    s = attention.apply_mask(rows(s), fm)
+    s = attention.apply_mask(s, fm)
     m_new = mx.maximum(m_run, s.max(axis=-1, keepdims=True))
     alpha = mx.exp(m_run - m_new)
     p = mx.exp(s - m_new)
@@ -3555,8 +3654,8 @@ def reference_attention(
     if cache.value_smooth is not None:
         if cache.hadamard:
             o_code = mx.hadamard_transform(o_code)
-        o_code = o_code * cache.value_smooth.astype(f32)[None, :, None, None, :]
+        o_code = o_code * cache.value_smooth.astype(mx.float32)[None, :, None, None, :]
     if cache.value_mean is not None:
-        o_code = o_code + cache.value_mean.astype(f32)[None, :, None, None, :] * l_code
+        o_code = o_code + cache.value_mean.astype(mx.float32)[None, :, None, None, :] * l_code
     out = (o_code + o_fp) / (l_code + l_fp)
-    return out.reshape(b, n_q, n, d).astype(queries.dtype)
+    return out.reshape(b, h * g, n, d).astype(rows["dtype"])
