@@ -241,6 +241,35 @@ def test_rotated_mean_from_the_table_is_the_models_rope(traditional, freqs):
     )
 
 
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("freqs", [False, True])
+def test_the_phase_table_gives_q_dot_the_rotated_mean(traditional, freqs):
+    """[a | b]·phase_table[m] (the CPU kernel's mean term) is q·RoPE_m(μ) with the model's own
+    rotation, to float32 rounding, at every position; the table's cos / sin are the rotation
+    table's own values, and it is kept like it (and apart from it)."""
+    from veloxquant import rope as rope_mod
+    from veloxquant.rope import RopeSpec, phase_coefficients, phase_table
+
+    rng = np.random.default_rng(int(traditional) * 2 + int(freqs))
+    table = mx.array(rng.uniform(1e-4, 1.0, size=(32,)).astype(np.float32)) if freqs else None
+    spec = RopeSpec(64, traditional, None if freqs else 1e5, 1.0 if freqs else 0.5, table)
+    mean = mx.array(rng.normal(size=(3, 64)).astype(np.float32) * 4)
+    q = mx.array(rng.normal(size=(1, 3, 5, 64)).astype(np.float32))
+    offset, length = 37, 2000
+    rotated = spec.apply(mx.broadcast_to(mean[None, :, None, :], (1, 3, length, 64)), offset)
+    want = np.array(q @ rotated.swapaxes(-1, -2), np.float64)  # [1, 3, 5, length]
+    ab = phase_coefficients(q, mean[None, :, None, :], spec)
+    phases = phase_table(spec, offset, length)
+    got = np.array(ab @ phases.T)
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
+    cos, sin = rope_mod.rotation_table(spec, offset, length)
+    first = np.arange(64) % 2 == 0 if traditional else np.arange(64) < 32
+    np.testing.assert_array_equal(np.array(phases)[:, :32], np.array(cos)[:, first])
+    np.testing.assert_array_equal(np.array(phases)[:, 32:], np.array(sin)[:, ~first])
+    assert phase_table(spec, offset, length) is phases
+    assert phase_table(spec, offset + 1, length) is not phases
+
+
 def test_rotation_tables_are_kept_per_thread():
     """A table another thread built (and may not have evaluated: MLX evaluates an array only in
     the thread whose stream built it) is not handed to this one."""

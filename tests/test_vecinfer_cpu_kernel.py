@@ -172,7 +172,7 @@ def test_bad_input_is_refused_with_what_is_wrong():
     def call(**change):
         args = dict(
             qt=qt, ab=None, key_codes=c._kbuf, key_book=kb, value_codes=c._vbuf, value_book=vb,
-            cos=None, sin=None, n_coded=100, key_bits=6, value_bits=8,
+            phases=None, n_coded=100, key_bits=6, value_bits=8,
         )  # fmt: skip
         args.update(change)
         return mx.eval(cpu_kernels.vecinfer_coded_attention(**args))
@@ -187,6 +187,6 @@ def test_bad_input_is_refused_with_what_is_wrong():
     with pytest.raises(ValueError, match="float32"):
         call(qt=qt.astype(mx.float16))
     with pytest.raises(ValueError, match="come together"):
-        call(ab=mx.zeros((1, h, 3, 2 * d)))
-    with pytest.raises(ValueError, match="ab \\[B, H, R, 2D\\]"):
-        call(ab=mx.zeros((1, h, 3, d)), cos=mx.zeros((100, d)), sin=mx.zeros((100, d)))
+        call(ab=mx.zeros((1, h, 3, d)))
+    with pytest.raises(ValueError, match="ab \\[B, H, R, D\\] and phases \\[n_coded, D\\]"):
+        call(ab=mx.zeros((1, h, 3, d)), phases=mx.zeros((99, d)))

@@ -952,71 +952,54 @@ class KmeansPPDraws : public CpuPrimitive {
 // VecInfer's attention over the coded past, straight from the codes (veloxquant/methods/vecinfer/
 // kernels.py `cpu_kernel_attention`; its oracle is `reference_attention`, the same algebra in MLX
 // ops). Per KV head, its R query rows (the G query heads it serves, times the queries) score every
-// coded token as q̃·codeword-decoded key, plus q·RoPE_t(μ) written as A·cos_t + B·sin_t with
-// A = q ⊙ μ and B = q ⊙ swap(μ) (the caller's), keep an online softmax, and sum p · the decoded
-// value codewords. The past is cut into segments of CODED_SEGMENT tokens, each attended on its
-// own (its running max, sum and output) and merged in order at the end; threads take whole
-// segments, so the bits do not depend on how many threads there are. Nothing of size
-// [tokens, head_dim] is ever built: a block of CODED_BLOCK tokens' scores and one decoded row at
-// a time.
+// coded token as q̃·codeword-decoded key, plus q·RoPE_t(μ) written as [a | b]·[cos | sin] of the
+// token's pair angles (the caller's `veloxquant.rope.phase_coefficients` and `phase_table`), keep
+// an online softmax, and sum p · the decoded value codewords. The past is cut into segments of
+// CODED_SEGMENT tokens, each attended on its own (its running max, sum and output) and merged in
+// order at the end; threads take whole segments, so the bits do not depend on how many threads
+// there are. Nothing of size [tokens, head_dim] is built: a block of CODED_BLOCK tokens' decoded
+// rows and scores at a time, in L1.
 constexpr int64_t CODED_SEGMENT = 512;
 constexpr int64_t CODED_BLOCK = 64;
 
-// Code i of a little-endian bit stream of `bits`-bit codes (bits <= 16); `row` has 3 bytes of
-// padding past its last code.
-inline uint32_t code_of(const uint8_t* row, int64_t i, int bits) {
-  const int64_t bit = i * bits;
-  uint32_t word;
-  std::memcpy(&word, row + (bit >> 3), sizeof(word));
-  return (word >> (bit & 7)) & ((1u << bits) - 1u);
-}
-
-// row [M·d] = the codewords of one token's M codes, book [K, d].
-inline void decode_row(
-    const uint8_t* codes, const float* book, int64_t m, int d, int bits, float* row) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float* word = book + static_cast<int64_t>(code_of(codes, i, bits)) * d;
-    switch (d) {
-      case 1: row[i] = word[0]; break;
-      case 2: std::memcpy(row + 2 * i, word, 2 * sizeof(float)); break;
-      case 4: std::memcpy(row + 4 * i, word, 4 * sizeof(float)); break;
-      case 8: std::memcpy(row + 8 * i, word, 8 * sizeof(float)); break;
-      default: std::memcpy(row + i * d, word, d * sizeof(float));
+// rows [n, M·SUB] = the codewords of n tokens' M codes of `bits` bits (each token's codes a
+// little-endian bit stream of row_bytes bytes, 3 bytes of padding after the last), book [K, SUB].
+template <int SUB>
+void decode_rows(
+    const uint8_t* codes, int64_t n, int64_t row_bytes, const float* book, int64_t m, int bits,
+    int sub, float* rows) {
+  const int d = SUB > 0 ? SUB : sub;
+  const uint32_t mask = (1u << bits) - 1u;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = codes + i * row_bytes;
+    float* out = rows + i * m * d;
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t bit = j * bits;
+      uint32_t word;
+      std::memcpy(&word, row + (bit >> 3), sizeof(word));
+      const uint32_t code = (word >> (bit & 7)) & mask;
+      std::memcpy(out + j * d, book + static_cast<int64_t>(code) * d, d * sizeof(float));
     }
   }
 }
 
-// Σ_j a[j]·b[j] for j < n.
-__attribute__((target("avx2,fma"))) inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+void decode_rows_any(
+    const uint8_t* codes, int64_t n, int64_t row_bytes, const float* book, int64_t m, int bits,
+    int sub, float* rows) {
+  switch (sub) {
+    case 1: decode_rows<1>(codes, n, row_bytes, book, m, bits, sub, rows); break;
+    case 2: decode_rows<2>(codes, n, row_bytes, book, m, bits, sub, rows); break;
+    case 4: decode_rows<4>(codes, n, row_bytes, book, m, bits, sub, rows); break;
+    case 8: decode_rows<8>(codes, n, row_bytes, book, m, bits, sub, rows); break;
+    default: decode_rows<0>(codes, n, row_bytes, book, m, bits, sub, rows);
   }
-  for (; j + 8 <= n; j += 8) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
-  }
-  acc0 = _mm256_add_ps(acc0, acc1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float sum = _mm_cvtss_f32(s);
-  for (; j < n; ++j) sum += a[j] * b[j];
-  return sum;
 }
 
-// y[j] = y[j] * scale + p * x[j] for j < n (scale 1 skips the product).
-__attribute__((target("avx2,fma"))) inline void scale_add(
-    float* y, float scale, float p, const float* x, int64_t n) {
-  const __m256 vs = _mm256_set1_ps(scale), vp = _mm256_set1_ps(p);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m256 v = _mm256_loadu_ps(y + j);
-    if (scale != 1.0f) v = _mm256_mul_ps(v, vs);
-    _mm256_storeu_ps(y + j, _mm256_fmadd_ps(vp, _mm256_loadu_ps(x + j), v));
-  }
-  for (; j < n; ++j) y[j] = (scale != 1.0f ? y[j] * scale : y[j]) + p * x[j];
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
 struct CodedLayout {
@@ -1029,22 +1012,83 @@ struct CodedLayout {
   bool operator==(const CodedLayout&) const = default;
 };
 
+// scores [R, CODED_BLOCK] of n decoded key rows [n, D]: q̃·k, plus [a | b]·[cos | sin] of the
+// token's pair angles with a mean. V = D / 8 vectors a row (0: any D, one lane at a time).
+template <int V>
+__attribute__((target("avx2,fma"))) void block_scores(
+    const float* q, const float* ab, const float* keys, const float* phases, int64_t n,
+    int64_t R, int64_t D, float* scores) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* qr = q + r * D;
+    const float* a = ab ? ab + r * D : nullptr;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* k = keys + i * D;
+      if constexpr (V > 0) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int v = 0; v < V; ++v) {
+          acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * v), _mm256_loadu_ps(k + 8 * v), acc0);
+        }
+        if (a) {
+          const float* ph = phases + i * D;
+          for (int v = 0; v < V; ++v) {
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * v), _mm256_loadu_ps(ph + 8 * v), acc1);
+          }
+        }
+        scores[r * CODED_BLOCK + i] = hsum(_mm256_add_ps(acc0, acc1));
+      } else {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < D; ++j) sum += qr[j] * k[j];
+        if (a) {
+          for (int64_t j = 0; j < D; ++j) sum += a[j] * phases[i * D + j];
+        }
+        scores[r * CODED_BLOCK + i] = sum;
+      }
+    }
+  }
+}
+
+// o [R, D] = o · alpha + Σ_i p[r, i] · values[i] over n decoded value rows [n, D].
+template <int V>
+__attribute__((target("avx2,fma"))) void block_outputs(
+    const float* p, const float* alpha, const float* values, int64_t n, int64_t R, int64_t D,
+    float* o) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* out = o + r * D;
+    const float* pr = p + r * CODED_BLOCK;
+    if constexpr (V > 0) {
+      __m256 acc[V];
+      const __m256 scale = _mm256_set1_ps(alpha[r]);
+      for (int v = 0; v < V; ++v) acc[v] = _mm256_mul_ps(_mm256_loadu_ps(out + 8 * v), scale);
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 w = _mm256_set1_ps(pr[i]);
+        const float* x = values + i * D;
+        for (int v = 0; v < V; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * v), acc[v]);
+      }
+      for (int v = 0; v < V; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+    } else {
+      for (int64_t j = 0; j < D; ++j) out[j] *= alpha[r];
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t j = 0; j < D; ++j) out[j] += pr[i] * values[i * D + j];
+      }
+    }
+  }
+}
+
 // One segment [t0, t1) of KV head (b, h): m [R], l [R], o [R, D] of exp(score - m).
+template <int V>
 __attribute__((target("avx2,fma"))) void coded_segment(
     const CodedLayout& L, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* qt,
     const float* ab, const uint8_t* kcodes, const float* kbook, const uint8_t* vcodes,
-    const float* vbook, const float* cos, const float* sin, float* m_out, float* l_out,
-    float* o_out) {
+    const float* vbook, const float* phases, float* m_out, float* l_out, float* o_out) {
   const int64_t R = L.rows, D = L.dim, bh = b * L.heads + h;
   const float* q = qt + bh * R * D;
-  const float* a = L.mean ? ab + bh * R * 2 * D : nullptr;
+  const float* a = L.mean ? ab + bh * R * D : nullptr;
   const float* kb = kbook + (L.key_books > 1 ? h : 0) * L.key_k * L.key_sub;
   const float* vb = vbook + (L.value_books > 1 ? h : 0) * L.value_k * L.value_sub;
   const uint8_t* kc = kcodes + bh * L.capacity * L.key_bytes;
   const uint8_t* vc = vcodes + bh * L.capacity * L.value_bytes;
-  std::vector<float> scores(R * CODED_BLOCK), row(D);
+  std::vector<float> scores(R * CODED_BLOCK), rows(CODED_BLOCK * D), alpha(R);
   std::vector<uint8_t> codes(CODED_BLOCK * std::max(L.key_bytes, L.value_bytes) + 4);
-  std::vector<float> alpha(R);
   for (int64_t r = 0; r < R; ++r) {
     m_out[r] = -std::numeric_limits<float>::infinity();
     l_out[r] = 0.0f;
@@ -1053,41 +1097,43 @@ __attribute__((target("avx2,fma"))) void coded_segment(
   for (int64_t t = t0; t < t1; t += CODED_BLOCK) {
     const int64_t n = std::min(CODED_BLOCK, t1 - t);
     std::memcpy(codes.data(), kc + t * L.key_bytes, n * L.key_bytes);
-    for (int64_t i = 0; i < n; ++i) {
-      decode_row(codes.data() + i * L.key_bytes, kb, L.key_codes, L.key_sub, L.key_bits,
-                 row.data());
-      for (int64_t r = 0; r < R; ++r) {
-        float s = dot(q + r * D, row.data(), D);
-        if (L.mean) {
-          s += dot(a + r * 2 * D, cos + (t + i) * D, D) +
-               dot(a + r * 2 * D + D, sin + (t + i) * D, D);
-        }
-        scores[r * CODED_BLOCK + i] = s;
-      }
-    }
-    // the block's softmax step per row: scores become exp(score - new max), o and l rescale
+    decode_rows_any(codes.data(), n, L.key_bytes, kb, L.key_codes, L.key_bits, L.key_sub,
+                    rows.data());
+    block_scores<V>(q, a, rows.data(), L.mean ? phases + t * D : nullptr, n, R, D,
+                    scores.data());
+    // the block's softmax step per row: scores become exp(score - new max), l rescales
     for (int64_t r = 0; r < R; ++r) {
       float* s = scores.data() + r * CODED_BLOCK;
-      const float block_max = row_max(s, n);
-      const float m_new = std::max(m_out[r], block_max);
+      const float m_new = std::max(m_out[r], row_max(s, n));
       alpha[r] = m_out[r] == m_new ? 1.0f : std::exp(m_out[r] - m_new);
       l_out[r] = l_out[r] * alpha[r] + exps_and_sum(s, s, n, m_new);
       m_out[r] = m_new;
     }
     std::memcpy(codes.data(), vc + t * L.value_bytes, n * L.value_bytes);
-    for (int64_t i = 0; i < n; ++i) {
-      decode_row(codes.data() + i * L.value_bytes, vb, L.value_codes, L.value_sub,
-                 L.value_bits, row.data());
-      for (int64_t r = 0; r < R; ++r) {
-        scale_add(o_out + r * D, i == 0 ? alpha[r] : 1.0f, scores[r * CODED_BLOCK + i],
-                  row.data(), D);
-      }
-    }
+    decode_rows_any(codes.data(), n, L.value_bytes, vb, L.value_codes, L.value_bits,
+                    L.value_sub, rows.data());
+    block_outputs<V>(scores.data(), alpha.data(), rows.data(), n, R, D, o_out);
   }
 }
 
-// Inputs qt [B, H, R, D], ab [B, H, R, 2D] (or [1]: no mean), key codes [B, H, capacity, key
-// bytes], key book [1 or H, K, d], value codes, value book, cos and sin [n_coded, D] (or [1]);
+using CodedSegmentFn = void (*)(
+    const CodedLayout&, int64_t, int64_t, int64_t, int64_t, const float*, const float*,
+    const uint8_t*, const float*, const uint8_t*, const float*, const float*, float*, float*,
+    float*);
+
+// The segment loop for this head_dim: unrolled for D = 32, 64, 128 and 256.
+CodedSegmentFn coded_segment_for(int64_t dim) {
+  switch (dim) {
+    case 32: return coded_segment<4>;
+    case 64: return coded_segment<8>;
+    case 128: return coded_segment<16>;
+    case 256: return coded_segment<32>;
+    default: return coded_segment<0>;
+  }
+}
+
+// Inputs qt [B, H, R, D], ab [B, H, R, D] (or [1]: no mean), key codes [B, H, capacity, key
+// bytes], key book [1 or H, K, d], value codes, value book, phases [n_coded, D] (or [1]);
 // outputs m [B, H, R], l [B, H, R], o [B, H, R, D] over the first n_coded coded tokens.
 class VecinferCodedAttention : public CpuPrimitive {
  public:
@@ -1101,8 +1147,7 @@ class VecinferCodedAttention : public CpuPrimitive {
     const uint8_t* kc = inputs[2].data<uint8_t>();
     const float* kb = inputs[3].data<float>();
     const uint8_t* vc = inputs[4].data<uint8_t>();
-    const float *vb = inputs[5].data<float>(), *cos = inputs[6].data<float>(),
-                *sin = inputs[7].data<float>();
+    const float *vb = inputs[5].data<float>(), *phases = inputs[6].data<float>();
     float *m = outputs[0].data<float>(), *l = outputs[1].data<float>(),
           *o = outputs[2].data<float>();
     encoder.dispatch([=]() {
@@ -1112,12 +1157,13 @@ class VecinferCodedAttention : public CpuPrimitive {
       std::vector<float> pm(units * R), pl(units * R), po(units * R * D);
       const int64_t parts = std::min<int64_t>(
           units, worker_threads(L.n_coded * heads * R * D * 16));
+      const CodedSegmentFn coded_segment = coded_segment_for(D);
       run_parts(parts, [&](int64_t part, int64_t n_parts) {
         for (int64_t u = part * units / n_parts; u < (part + 1) * units / n_parts; ++u) {
           const int64_t bh = u / segments, seg = u % segments;
           const int64_t t0 = seg * CODED_SEGMENT;
           const int64_t t1 = std::min(L.n_coded, t0 + CODED_SEGMENT);
-          coded_segment(L, bh / L.heads, bh % L.heads, t0, t1, qt, ab, kc, kb, vc, vb, cos, sin,
+          coded_segment(L, bh / L.heads, bh % L.heads, t0, t1, qt, ab, kc, kb, vc, vb, phases,
                         pm.data() + u * R, pl.data() + u * R, po.data() + u * R * D);
         }
       });
@@ -1135,7 +1181,8 @@ class VecinferCodedAttention : public CpuPrimitive {
             const int64_t u = bh * segments + s;
             const float w = pm[u * R + r] == mx_all ? 1.0f : std::exp(pm[u * R + r] - mx_all);
             sum += pl[u * R + r] * w;
-            scale_add(out, 1.0f, w, po.data() + (u * R + r) * D, D);
+            const float* part_out = po.data() + (u * R + r) * D;
+            for (int64_t j = 0; j < D; ++j) out[j] += w * part_out[j];
           }
           m[bh * R + r] = mx_all;
           l[bh * R + r] = sum;
@@ -1345,8 +1392,8 @@ std::vector<mx::array> kmeanspp_draws(const mx::array& x, const mx::array& first
 std::vector<mx::array> vecinfer_coded_attention(
     const mx::array& qt, const mx::array& ab, const mx::array& key_codes,
     const mx::array& key_book, const mx::array& value_codes, const mx::array& value_book,
-    const mx::array& cos, const mx::array& sin, int64_t n_coded, int key_bits, int value_bits) {
-  for (const auto* x : {&qt, &ab, &key_book, &value_book, &cos, &sin}) check_float32(*x, 1);
+    const mx::array& phases, int64_t n_coded, int key_bits, int value_bits) {
+  for (const auto* x : {&qt, &ab, &key_book, &value_book, &phases}) check_float32(*x, 1);
   const auto fail = [](const std::string& what) {
     throw std::invalid_argument("[veloxquant.cpu_kernels] vecinfer_coded_attention: " + what);
   };
@@ -1385,10 +1432,8 @@ std::vector<mx::array> vecinfer_coded_attention(
   }
   if (L.mean) {
     const mx::Shape table = {static_cast<int>(n_coded), qt.shape(3)};
-    mx::Shape ab_shape = qt.shape();
-    ab_shape.back() *= 2;
-    if (ab.shape() != ab_shape || cos.shape() != table || sin.shape() != table) {
-      fail("the mean terms are ab [B, H, R, 2D] and cos, sin [n_coded, D]");
+    if (ab.shape() != qt.shape() || phases.shape() != table) {
+      fail("the mean terms are ab [B, H, R, D] and phases [n_coded, D]");
     }
   }
   const mx::Stream s = cpu_stream();
@@ -1399,7 +1444,7 @@ std::vector<mx::array> vecinfer_coded_attention(
       {mx::contiguous(qt, false, s), mx::contiguous(ab, false, s),
        mx::contiguous(key_codes, false, s), mx::contiguous(key_book, false, s),
        mx::contiguous(value_codes, false, s), mx::contiguous(value_book, false, s),
-       mx::contiguous(cos, false, s), mx::contiguous(sin, false, s)});
+       mx::contiguous(phases, false, s)});
 }
 
 // The exp alone, over a buffer of float32s, for the exhaustive comparison with mx.exp.
@@ -1439,7 +1484,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("kmeanspp_draws", &kmeanspp_draws, nb::arg("x"), nb::arg("first"), nb::arg("u"));
   m.def("vecinfer_coded_attention", &vecinfer_coded_attention, nb::arg("qt"), nb::arg("ab"),
         nb::arg("key_codes"), nb::arg("key_book"), nb::arg("value_codes"),
-        nb::arg("value_book"), nb::arg("cos"), nb::arg("sin"), nb::arg("n_coded"),
+        nb::arg("value_book"), nb::arg("phases"), nb::arg("n_coded"),
         nb::arg("key_bits"), nb::arg("value_bits"));
   m.def("exp_float32", &exp_float32, nb::arg("data"));
   m.def("cpu_supported", &cpu_supported);

@@ -454,30 +454,27 @@ def vecinfer_coded_attention(
     key_book: mx.array,
     value_codes: mx.array,
     value_book: mx.array,
-    cos: mx.array | None,
-    sin: mx.array | None,
+    phases: mx.array | None,
     n_coded: int,
     key_bits: int,
     value_bits: int,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """VecInfer's attention over the first n_coded coded tokens, straight from the packed codes,
     in one pass (`veloxquant.methods.vecinfer.kernels.cpu_kernel_attention`): the transformed,
-    scaled query rows qt [B, H, R, D]; with a key mean, ab = [q ⊙ μ | q ⊙ swap(μ)] [B, H, R, 2D]
-    and the RoPE table cos, sin [n_coded, D] of the coded positions (`veloxquant.rope.
-    rotation_table`), else None; code buffers [B, H, capacity, bytes] uint8; books [1 or H, 2^bits,
-    d] float32 -> (running max [B, H, R], sum [B, H, R], Σ exp(s - max) · value codewords
-    [B, H, R, D]). Not the bits of MLX's ops (its sums run in another order): the kernel tests
-    bound it against the pure-MLX twin."""
-    mean = (ab, cos, sin)
-    if not usable(qt, key_book, value_book, *[x for x in mean if x is not None]):
+    scaled query rows qt [B, H, R, D]; with a key mean, the rows' `rope.phase_coefficients` ab
+    [B, H, R, D] and the coded positions' `rope.phase_table` phases [n_coded, D], else None; code
+    buffers [B, H, capacity, bytes] uint8; books [1 or H, 2^bits, d] float32 -> (running max
+    [B, H, R], sum [B, H, R], Σ exp(s - max) · value codewords [B, H, R, D]). Not the bits of
+    MLX's ops (its sums run in another order): tests bound it against the pure-MLX twin."""
+    if (ab is None) != (phases is None):
+        raise ValueError("vecinfer_coded_attention: ab and phases come together (a key mean)")
+    if not usable(qt, key_book, value_book, *[x for x in (ab, phases) if x is not None]):
         raise ValueError(
             "cpu_kernels.vecinfer_coded_attention takes float32 queries and books on the CPU "
             "with the extension built"
         )
-    if any(x is None for x in mean) and any(x is not None for x in mean):
-        raise ValueError("vecinfer_coded_attention: ab, cos and sin come together (a key mean)")
     if ab is None:
-        ab = cos = sin = mx.zeros((1,), mx.float32)
+        ab = phases = mx.zeros((1,), mx.float32)
     running_max, total, output = _module.vecinfer_coded_attention(
         qt,
         ab,
@@ -485,8 +482,7 @@ def vecinfer_coded_attention(
         key_book,
         value_codes,
         value_book,
-        cos,
-        sin,
+        phases,
         n_coded,
         key_bits,
         value_bits,

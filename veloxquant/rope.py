@@ -137,29 +137,72 @@ def rotation_table(rope: RopeSpec, offset: int, length: int) -> tuple[mx.array, 
     benchmarks/results/bench_vecinfer-default-layout-cpu.txt). So the last few tables asked for
     are kept, per thread, and shared by all layers; a spec's `freqs` must not be written in
     place (the memo keys it by identity)."""
-    key = (rope.dims, rope.traditional, rope.base, rope.scale, id(rope.freqs), offset, length)
+
+    def build() -> tuple[mx.array, mx.array]:
+        c, s = _pair_angles(rope, offset, length)
+        d = rope.dims
+        if rope.traditional:
+            cos = mx.stack([c, c], axis=-1).reshape(length, d)
+            sin = mx.stack([-s, s], axis=-1).reshape(length, d)
+        else:
+            cos = mx.concatenate([c, c], axis=-1)
+            sin = mx.concatenate([-s, s], axis=-1)
+        return cos, sin
+
+    return _kept(("rotation", offset, length), rope, length, build)
+
+
+def phase_table(rope: RopeSpec, offset: int, length: int) -> mx.array:
+    """[cos θ_j | sin θ_j] [length, D] of every rotated pair j's angle at positions offset ..
+    offset + length - 1 (the model's own values, as `rotation_table`'s, and kept as they are):
+    with `phase_coefficients`, q·RoPE_m(μ) is one dot product of D terms."""
+
+    def build() -> tuple[mx.array, None]:
+        return mx.concatenate(_pair_angles(rope, offset, length), axis=-1), None
+
+    return _kept(("phase", offset, length), rope, length, build)[0]
+
+
+def phase_coefficients(q: mx.array, mean: mx.array, rope: RopeSpec) -> mx.array:
+    """[a | b] [..., D] of rows q [..., D] against a vector μ (broadcast to q) such that
+    q·RoPE_m(μ) = [a | b]·phase_table[m]: for each rotated pair j of elements (x, y),
+    a_j = q_x μ_x + q_y μ_y and b_j = q_y μ_x - q_x μ_y."""
+    d = q.shape[-1]
+    if rope.traditional:
+        qx, qy, mx_, my = q[..., 0::2], q[..., 1::2], mean[..., 0::2], mean[..., 1::2]
+    else:
+        h = d // 2
+        qx, qy, mx_, my = q[..., :h], q[..., h:], mean[..., :h], mean[..., h:]
+    return mx.concatenate([qx * mx_ + qy * my, qy * mx_ - qx * my], axis=-1)
+
+
+def _pair_angles(rope: RopeSpec, offset: int, length: int) -> tuple[mx.array, mx.array]:
+    # (cos, sin) [length, D / 2] of every pair's angle, from mx.fast.rope turning a unit vector
+    # of each pair: cos lands at the pair's first slot, sin at its second
+    d, half = rope.dims, rope.dims // 2
+    first = mx.arange(d) % 2 == 0 if rope.traditional else mx.arange(d) < half
+    unit = mx.broadcast_to(first.astype(mx.float32), (1, 1, length, d))
+    turned = rope.apply(unit, offset)[0, 0]
+    if rope.traditional:
+        return turned[:, 0::2], turned[:, 1::2]
+    return turned[:, :half], turned[:, half:]
+
+
+def _kept(what: tuple, rope: RopeSpec, length: int, build: Callable) -> tuple:
+    """build()'s tables for `what` (a kind, the offset, the length) under `rope`, from the
+    per-thread memo when it has them; kept there when no bigger than TABLE_KEPT_ELEMENTS."""
+    key = (rope.dims, rope.traditional, rope.base, rope.scale, id(rope.freqs), *what)
     tables = _tables()
     hit = tables.get(key)
     if hit is not None and hit[0] is rope.freqs:  # the kept reference pins freqs' id
         tables.move_to_end(key)
-        return hit[1], hit[2]
-    d, half = rope.dims, rope.dims // 2
-    first = mx.arange(d) % 2 == 0 if rope.traditional else mx.arange(d) < half
-    unit = mx.broadcast_to(first.astype(mx.float32), (1, 1, length, d))
-    turned = rope.apply(unit, offset)[0, 0]  # cos at each pair's first slot, sin at its second
-    if rope.traditional:
-        c, s = turned[:, 0::2], turned[:, 1::2]
-        cos = mx.stack([c, c], axis=-1).reshape(length, d)
-        sin = mx.stack([-s, s], axis=-1).reshape(length, d)
-    else:
-        c, s = turned[:, :half], turned[:, half:]
-        cos = mx.concatenate([c, c], axis=-1)
-        sin = mx.concatenate([-s, s], axis=-1)
-    if length * d <= TABLE_KEPT_ELEMENTS:
-        tables[key] = (rope.freqs, cos, sin)
+        return hit[1:]
+    built = build()
+    if length * rope.dims <= TABLE_KEPT_ELEMENTS:
+        tables[key] = (rope.freqs, *built)
         while len(tables) > TABLES_KEPT:
             tables.popitem(last=False)
-    return cos, sin
+    return built
 
 
 def swap_pairs(x: mx.array, rope: RopeSpec) -> mx.array:

@@ -74,10 +74,11 @@ from veloxquant.kernels import (
 from veloxquant.rope import (
     TABLE_MIN_LENGTH,
     RopeSpec,
+    phase_coefficients,
+    phase_table,
     rotate_by_table,
     rotated_mean,
     rotation_table,
-    swap_pairs,
 )
 
 TILE = 128  # tokens per tile and threads per threadgroup of the partial kernel
@@ -3506,12 +3507,12 @@ def cpu_kernel_attention(
     if n_coded == 0:
         coded = _no_coded(rows)
     else:
-        ab = cos = sin = None
+        ab = phases = None
         if cache.key_mean is not None:
             mean = cache.key_mean.astype(mx.float32)[None, :, None, :]
-            q = rows["q"]
-            ab = mx.concatenate([q * mean, q * swap_pairs(mean, cache.rope)], axis=-1)
-            cos, sin = rotation_table(cache.rope, cache.sinks, n_coded)
+            ab = phase_coefficients(rows["q"], mean, cache.rope)
+            # one table for the whole coded span, the same for every layer at this step
+            phases = phase_table(cache.rope, cache.sinks, n_coded)
         m, l_code, o_code = cpu_kernels.vecinfer_coded_attention(
             rows["qt"],
             ab,
@@ -3519,8 +3520,7 @@ def cpu_kernel_attention(
             cache.key_codebook.astype(mx.float32),
             cache._vbuf,
             cache.value_codebook.astype(mx.float32),
-            cos,
-            sin,
+            phases,
             n_coded,
             cache.key_bits,
             cache.value_bits,
