@@ -1347,9 +1347,14 @@ def test_generated_metal_sources_are_well_formed(name, smollm2, bundle, monkeypa
 def test_path_selection_and_errors(smollm2, bundle, monkeypatch):
     model, _ = smollm2
     config = _config("calibrated", bundle)
-    # auto: fused where the kernels run (a GPU); on the CPU the transient path, not the twin
+    # auto: fused where a kernel runs (a GPU; the CPU with the extension built), else the
+    # transient path, not the twin
     monkeypatch.setenv("VELOXQUANT_FUSED", "auto")
+    kernel_here = backend() is not None or K.cpu_kernels.available()
+    assert all(c.fused == kernel_here for c in make_cache(model, config))
+    monkeypatch.setattr(K, "CPU_KERNEL", False)
     assert all(c.fused == (backend() is not None) for c in make_cache(model, config))
+    monkeypatch.setattr(K, "CPU_KERNEL", True)
     monkeypatch.setenv("VELOXQUANT_FUSED", "yes please")
     with pytest.raises(ValueError, match="VELOXQUANT_FUSED"):
         make_cache(model, config)

@@ -30,9 +30,10 @@ gradient pass use it (through `cpu_kernels.vectorized()`); every other call goes
 function as before.
 
 `VELOXQUANT_FUSED` picks the path of new caches: `auto` (the default) fuses where MLX runs on a
-GPU that takes the kernels (CUDA or Metal), and keeps the transient path on the CPU, where it is
-what the evaluation numbers were measured with; `1` fuses everywhere (the pure-MLX twin of the
-kernels on the CPU); `0` never fuses.
+GPU that takes the kernels (CUDA or Metal), and on the CPU for a method with a CPU kernel there
+(VecInfer, with the CPU extension built: `veloxquant.cpu_kernels`); other methods keep the
+transient path on the CPU. `1` fuses everywhere (the pure-MLX twins of the kernels where no
+kernel runs); `0` never fuses.
 """
 
 from __future__ import annotations
@@ -363,35 +364,39 @@ def routes(model: Any) -> bool:
 MODES = {"auto": None, "1": True, "0": False}
 
 
-def wanted() -> bool:
-    """Whether new caches take the fused path, by VELOXQUANT_FUSED (module docstring)."""
+def wanted(cpu_kernel: bool = False) -> bool:
+    """Whether new caches take the fused path, by VELOXQUANT_FUSED (module docstring);
+    cpu_kernel: the method has a kernel that runs on this CPU, so `auto` fuses here too."""
     value = os.environ.get("VELOXQUANT_FUSED", "auto").strip().lower()
     if value not in MODES:
         raise ValueError(
             f"VELOXQUANT_FUSED={value!r}: expected one of {sorted(MODES)} "
-            "(auto: fused on a GPU only; 1: always; 0: never)"
+            "(auto: fused where a kernel runs; 1: always; 0: never)"
         )
     if MODES[value] is None:
         from veloxquant.kernels import backend
 
-        return backend() is not None
+        return backend() is not None or cpu_kernel
     return MODES[value]
 
 
-def wanted_for(auto: bool) -> bool:
-    """`wanted()` for a method whose fused path is the default where `auto` fuses (auto=True)
-    or only when asked for with VELOXQUANT_FUSED=1 (auto=False)."""
+def wanted_for(auto: bool, cpu_kernel: bool = False) -> bool:
+    """`wanted(cpu_kernel)` for a method whose fused path is the default where `auto` fuses
+    (auto=True) or only when asked for with VELOXQUANT_FUSED=1 (auto=False)."""
     explicit = os.environ.get("VELOXQUANT_FUSED", "auto").strip().lower() == "1"
-    return wanted() and (auto or explicit)
+    return wanted(cpu_kernel) and (auto or explicit)
 
 
-def enable_for(model: Any, caches: list, method: str, auto: bool = True) -> bool:
+def enable_for(
+    model: Any, caches: list, method: str, auto: bool = True, cpu_kernel: bool = False
+) -> bool:
     """Install the dispatch and put `caches` on the fused path when `model`'s attention is
     routed and VELOXQUANT_FUSED asks for it (`wanted`); otherwise leave them on the transient
     path (logging once why, when the model is the reason). auto=False: a method whose fused
-    path is not yet the default anywhere fuses only when VELOXQUANT_FUSED=1. Returns whether
+    path is not yet the default anywhere fuses only when VELOXQUANT_FUSED=1; cpu_kernel: the
+    method's fused path runs a kernel on this CPU, so `auto` fuses here too. Returns whether
     they are fused."""
-    if not wanted_for(auto):
+    if not wanted_for(auto, cpu_kernel):
         return False
     install()
     if not routes(model):

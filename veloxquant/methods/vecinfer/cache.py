@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
 import veloxquant.methods.vecinfer.kernels  # noqa: F401  (read from the package per call, below)
-from veloxquant import attention, cpu_kernels
+from veloxquant import attention
 from veloxquant import rope as rope_tap
 from veloxquant.codes import code_bytes, pq_decode, pq_encode
 from veloxquant.kmeans import check_finite
@@ -371,7 +371,7 @@ class VecInferCache(CompressedCache):
 
         if kernels.kernels_take(self, self.smooth.shape[0]):
             return "kernel"
-        if kernels.CPU_KERNEL and mx.default_device() == mx.cpu and cpu_kernels.available():
+        if kernels.cpu_kernel_here():
             return "cpu-kernel"
         return "reference"
 
@@ -644,7 +644,8 @@ class VecInferCache(CompressedCache):
             setattr(self, name, arrays[name])
         # a loaded cache attends the way a fresh one would in this process, once its first
         # update has shown the model's attention routed (attention.route_proven)
-        self.fused = attention.wanted()
+        kernels = veloxquant.methods.vecinfer.kernels
+        self.fused = attention.wanted(cpu_kernel=kernels.cpu_kernel_here())
         self._route_probe = "loaded" if self.fused else None  # attention.route_proven
         if self.fused:
             attention.install()
@@ -729,9 +730,11 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[VecI
         )
         for i in range(dims.L)
     ]
-    # fused attention whenever the model's attention can be routed (veloxquant.attention);
-    # with the key mean, whose RoPE the kernel knows, the decode step's own query and key are
-    # rotated inside the attention launch (the model's rope modules tapped)
-    if attention.enable_for(model, caches, "vecinfer") and rope is not None:
+    # fused attention whenever the model's attention can be routed (veloxquant.attention), on a
+    # GPU and, with the CPU extension built, on the CPU; with the key mean, whose RoPE the kernel
+    # knows, the decode step's own query and key are rotated inside the attention launch (the
+    # model's rope modules tapped)
+    cpu_kernel = veloxquant.methods.vecinfer.kernels.cpu_kernel_here()
+    if attention.enable_for(model, caches, "vecinfer", cpu_kernel=cpu_kernel) and rope is not None:
         rope_tap.tap(model)
     return caches

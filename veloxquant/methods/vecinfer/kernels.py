@@ -3534,16 +3534,20 @@ def cpu_kernel_attention(
     return _finish_attention(cache, rows, coded, mask, pending, exact)
 
 
+def cpu_kernel_here() -> bool:
+    """Whether fused attention runs the CPU kernel here: CPU_KERNEL on, MLX on the CPU, and the
+    extension built (veloxquant.cpu_kernels.available, which says once in the log why not)."""
+    return CPU_KERNEL and mx.default_device() == mx.cpu and cpu_kernels.available()
+
+
 def cpu_kernel_takes(cache: Any, queries: mx.array, mask: Any) -> bool:
-    """Whether `cpu_kernel_attention` takes this call: CPU_KERNEL on, MLX on the CPU with the
-    extension built (veloxquant.cpu_kernels.available), code buffers of the cache's batch, and
-    a mask under which every query sees every coded token (none, or "causal": the coded past
-    precedes every query); a mask array (a sliding window, left padding) takes the twin."""
+    """Whether `cpu_kernel_attention` takes this call: `cpu_kernel_here()`, code buffers of the
+    cache's batch, and a mask under which every query sees every coded token (none, or
+    "causal": the coded past precedes every query); a mask array (a sliding window, left
+    padding) takes the twin."""
     return (
-        CPU_KERNEL
-        and (mask is None or (isinstance(mask, str) and mask == "causal"))
-        and mx.default_device() == mx.cpu
-        and cpu_kernels.available()
+        (mask is None or (isinstance(mask, str) and mask == "causal"))
+        and cpu_kernel_here()
         and (cache._kbuf is None or cache._kbuf.shape[0] == queries.shape[0])
     )
 
