@@ -9,7 +9,9 @@
    64-token chunk (per token), next to the fp16 model's decode step (per token, all layers).
 3. Decode step: one-token forward of the real model with a fp16 `KVCache` vs a `VecInferCache`
    holding 1K and 4K tokens (filled through `update_and_fetch` with random keys/values: timing does
-   not depend on their values). Steps alternate between the two arms; ratios per pair.
+   not depend on their values), on the transient path and fused: the GPU kernels, or on the CPU
+   the pure-MLX twin and (where the CPU extension is built) the CPU kernel. Steps alternate
+   between the arms; ratios per pair.
 
 Every timing is interleaved over `--repeats`, reported as median [min, max].
 

@@ -1378,6 +1378,21 @@ def test_path_selection_and_errors(smollm2, bundle, monkeypatch):
     assert not any(r.fused for r in rows)
 
 
+def test_other_methods_read_a_tapped_model_s_own_rope(smollm2, bundle, monkeypatch):
+    # fused VecInfer caches with the key mean tap the model's rope modules (rope.RopeTap), by
+    # default on the CPU too: CommVQ's caches made afterwards for the same model, and a capture's
+    # summary, must still see the model's nn.RoPE (they raised on the tap's class)
+    from veloxquant.capture import _model_summary as model_summary
+    from veloxquant.methods.commvq.cache import rope_params
+    from veloxquant.rope import RopeTap
+
+    model, _ = smollm2
+    before = (rope_params(model), model_summary(model)["rope"])
+    _caches(model, _config("calibrated", bundle), True, monkeypatch)
+    assert isinstance(model.layers[0].self_attn.rope, RopeTap)
+    assert (rope_params(model), model_summary(model)["rope"]) == before
+
+
 @pytest.mark.parametrize("routed", [True, False])
 def test_a_loaded_state_fuses_only_once_its_attention_is_seen_routed(
     routed, smollm2, bundle, prompt, monkeypatch, tmp_path

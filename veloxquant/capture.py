@@ -34,6 +34,7 @@ from mlx_lm.models.cache import KVCache
 
 from veloxquant import cpu_kernels
 from veloxquant._platform import cpu_lanes
+from veloxquant.rope import untapped
 from veloxquant.io import (
     SafetensorsError,
     parse_safetensors_header,
@@ -172,7 +173,7 @@ def _model_summary(model: nn.Module) -> dict:
         "vocab_size",
     )
     summary = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
-    rope = model.layers[0].self_attn.rope
+    rope = untapped(model.layers[0].self_attn.rope)
     summary["rope"] = {
         "class": type(rope).__name__,
         **{

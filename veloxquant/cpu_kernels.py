@@ -1,5 +1,5 @@
 """MLX's float32 CPU softmax, log-sum-exp and affine quantized matmul and mlx-lm's swiglu, bit
-for bit, vectorized (x86-64 with AVX2 and FMA).
+for bit, vectorized (x86-64 with AVX2 and FMA); and VecInfer's decode attention from the codes.
 
 MLX's x86 wheels are built for baseline x86-64. There its CPU `exp` runs one element at a time
 and calls libm for every fma and floor, about 30 ns per element: the causal softmax of the

@@ -330,6 +330,13 @@ def tap(model: Any) -> bool:
     return True
 
 
+def untapped(rope: Any) -> Any:
+    """The model's own rope module behind a `RopeTap` (the module itself when not tapped): what
+    code that reads a rope module's class or parameters must look at, since a fused VecInfer
+    cache of the model may have tapped it."""
+    return rope.rope if isinstance(rope, RopeTap) else rope
+
+
 def untap(model: Any) -> None:
     """Put `model`'s own rope modules back where `tap` wrapped them."""
     for layer in getattr(model, "layers", None) or []:

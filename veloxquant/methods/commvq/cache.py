@@ -43,6 +43,7 @@ from mlx_lm.models.cache import create_attention_mask
 from veloxquant.codes import pq_decode, pq_encode
 from veloxquant.methods.base import CompressedCache, ModelDims, pack_state, take_sinks, unpack_state
 from veloxquant.methods.commvq import codebook as cb
+from veloxquant.rope import untapped
 
 DEFAULT_WINDOW = 26
 DEFAULT_SINKS = 4
@@ -78,6 +79,7 @@ def rope_params(model_or_dims: Any) -> tuple[float, bool, float]:
     layers = getattr(model_or_dims, "layers", None)
     rope = getattr(getattr(layers[0], "self_attn", None), "rope", None) if layers else None
     if rope is not None:
+        rope = untapped(rope)  # a fused VecInfer cache of this model may have tapped it
         if type(rope) is not nn.RoPE:
             raise ValueError(
                 f"commvq: the model's RoPE is {type(rope).__name__}, not a plain nn.RoPE; the "

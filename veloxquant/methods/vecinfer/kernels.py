@@ -2,8 +2,11 @@
 
 Both are written once (veloxquant/kernels.py: one template, CUDA and Metal source) and each has
 a pure-MLX twin here that runs everywhere; the twin computes the same function by the same
-algebra and is what CPU runs and what the kernels are tested against (it is itself tested
-against the cache's transient path, the oracle that decodes everything and then attends).
+algebra and is what the kernels are tested against (it is itself tested against the cache's
+transient path, the oracle that decodes everything and then attends). On an x86 CPU with the
+CPU extension built, decode attention's coded past runs the extension's one-pass kernel instead
+(`cpu_kernel_attention`, veloxquant/cpu_kernels.cpp: the same algebra, sums in another order),
+and the twin takes what it does not (mask arrays, no extension).
 
 The algebra (per layer, KV head h, query q of one of its G query heads, coded token t at
 absolute position m_t, c_k(t) / c_v(t) its decoded codewords in the coded space):
