@@ -22,6 +22,19 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=rank)  # stable: the order within each file is kept
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _attention_dispatch_as_found_by_the_module():
+    """The same for a test file: a module fixture's make_cache (VecInfer caches fuse by default
+    on the CPU with the extension built, and install the dispatch and tap the model's rope) must
+    not leave the dispatch installed for the next file in the worker."""
+    from veloxquant import attention
+
+    was = attention.installed()
+    yield
+    if not was and attention.installed():
+        attention.uninstall()
+
+
 @pytest.fixture(autouse=True)
 def _attention_dispatch_as_found():
     """A test that routes mlx-lm's attention (make_cache with VELOXQUANT_FUSED=1 installs the
