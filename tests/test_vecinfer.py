@@ -243,13 +243,14 @@ def test_rotated_mean_from_the_table_is_the_models_rope(traditional, freqs):
 
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("freqs", [False, True])
-def test_the_phase_table_gives_q_dot_the_rotated_mean(traditional, freqs):
+def test_the_phase_table_gives_q_dot_the_rotated_mean(traditional, freqs, monkeypatch):
     """[a | b]·phase_table[m] (the CPU kernel's mean term) is q·RoPE_m(μ) with the model's own
     rotation, to float32 rounding, at every position; the table's cos / sin are the rotation
     table's own values, and it is kept like it (and apart from it)."""
     from veloxquant import rope as rope_mod
     from veloxquant.rope import RopeSpec, phase_coefficients, phase_table
 
+    pair_angles = rope_mod._pair_angles
     rng = np.random.default_rng(int(traditional) * 2 + int(freqs))
     table = mx.array(rng.uniform(1e-4, 1.0, size=(32,)).astype(np.float32)) if freqs else None
     spec = RopeSpec(64, traditional, None if freqs else 1e5, 1.0 if freqs else 0.5, table)
@@ -268,6 +269,19 @@ def test_the_phase_table_gives_q_dot_the_rotated_mean(traditional, freqs):
     np.testing.assert_array_equal(np.array(phases)[:, 32:], np.array(sin)[:, ~first])
     assert phase_table(spec, offset, length) is phases
     assert phase_table(spec, offset + 1, length) is not phases
+    # a longer span is the kept shorter table plus the rows it lacks, the same bits as built
+    # whole; kept whatever its length (the CPU kernel reads one every layer of every step)
+    rope_mod._tables().clear()
+    asked = []
+    monkeypatch.setattr(
+        rope_mod, "_pair_angles", lambda r, o, n: asked.append(n) or pair_angles(r, o, n)
+    )
+    phase_table(spec, offset, 700)
+    grown = phase_table(spec, offset, length)
+    assert asked == [700, length - 700]
+    np.testing.assert_array_equal(np.array(grown), np.array(phases))
+    huge = rope_mod.TABLE_KEPT_ELEMENTS // 64 + 1
+    assert phase_table(spec, 0, huge) is phase_table(spec, 0, huge)
 
 
 def test_rotation_tables_are_kept_per_thread():

@@ -32,10 +32,25 @@ LAYOUTS = [
     (32, 5, (5, 1), (10, 2), False),
     (64, 1, (3, 4), (6, 1), True),
     (48, 2, (8, 8), (3, 2), False),
+    # widths 1, 2, 12 and 16, sub-vectors of 3 and 5 (the loops not unrolled for them), and
+    # head_dims 48 and 80 (the score and output loops not unrolled either)
+    (48, 2, (12, 3), (2, 16), False),
+    (80, 1, (1, 5), (16, 5), True),
 ]
 
 
-def _cache(layout, n_coded: int, *, batch=1, h=2, mean=True, traditional=False, seed=0):
+def _cache(
+    layout,
+    n_coded: int,
+    *,
+    batch=1,
+    h=2,
+    mean=True,
+    traditional=False,
+    freqs=False,
+    seed=0,
+    spare=37,
+):
     """A fused VecInferCache of `layout` holding n_coded random codes (in buffers with room for
     more, as a decode step finds them), 3 sinks and a 20-token window, and a pending attention
     of `n_new` new tokens (`_pending`)."""
@@ -52,6 +67,9 @@ def _cache(layout, n_coded: int, *, batch=1, h=2, mean=True, traditional=False, 
             value_mean=normal(h, d, scale=0.5),
             rope=RopeSpec.from_module(nn.RoPE(d, traditional=traditional, base=10000.0), d),
         )
+        if freqs:  # a frequency table, as Llama-3's rope gives
+            table = mx.array(rng.uniform(1.0, 1e4, size=(d // 2,)).astype(np.float32))
+            kw["rope"] = RopeSpec(d, traditional, None, 1.0, table)
     c = VecInferCache(
         mx.array(rng.uniform(0.5, 2.0, (h, d)).astype(np.float32)),
         normal(1 if shared else h, 2**kb, kd),
@@ -66,7 +84,7 @@ def _cache(layout, n_coded: int, *, batch=1, h=2, mean=True, traditional=False, 
         value_smooth=mx.array(rng.uniform(0.5, 2.0, (h, d)).astype(np.float32)),
         **kw,
     )
-    cap = n_coded + 37  # whatever follows the filled rows must not be read
+    cap = n_coded + spare  # whatever follows the filled rows must not be read
     nk, nv = code_bytes(kb, d // kd), code_bytes(vb, d // vd)
     c._kbuf = mx.array(rng.integers(0, 256, (batch, h, cap, nk), dtype=np.uint8))
     c._vbuf = mx.array(rng.integers(0, 256, (batch, h, cap, nv), dtype=np.uint8))
@@ -107,18 +125,72 @@ def test_the_cpu_kernel_is_the_twin_over_block_and_segment_edges(layout, n_coded
 
 @pytest.mark.parametrize(
     "case",
-    ["no-mean", "traditional", "batch-2-prefill", "empty-past", "just-past-a-segment"],
+    [
+        "no-mean",
+        "traditional",
+        "freqs",
+        "batch-2-prefill",
+        "empty-past",
+        "just-past-a-segment",
+        "buffers-full",
+    ],
 )
 def test_the_cpu_kernel_is_the_twin_on_every_variant(case):
     layout = LAYOUTS[0]
     batch = 2 if case == "batch-2-prefill" else 1
     n_coded = {"empty-past": 0, "just-past-a-segment": 1025}.get(case, 700)
     c, normal = _cache(
-        layout, n_coded, batch=batch, mean=case != "no-mean", traditional=case == "traditional"
+        layout,
+        n_coded,
+        batch=batch,
+        mean=case != "no-mean",
+        traditional=case == "traditional",
+        freqs=case == "freqs",
+        spare=0 if case == "buffers-full" else 37,
     )
     n_new = 9 if case == "batch-2-prefill" else 1
     twin, kernel = _attend(c, normal, layout[1], n_new, batch, "causal" if n_new > 1 else None)
     np.testing.assert_allclose(kernel, twin, atol=ATOL, rtol=0)
+
+
+def test_a_long_prefill_chunk_takes_longer_segments_and_the_same_result():
+    # 256 queries of 4 query heads over 9000 coded tokens: the segments' partial outputs would
+    # take 18 segments x 2 heads x 1024 rows x 128 floats (19 MiB); the kernel lengthens them to
+    # 16 of 576 tokens (CODED_SCRATCH_FLOATS) rather than hold that
+    layout = LAYOUTS[1]
+    c, normal = _cache(layout, 9000, seed=3)
+    twin, kernel = _attend(c, normal, layout[1], 256, 1, "causal")
+    # the rounding of two orders of 9000-term sums: 2.5e-5 measured with 16 or 64 queries too
+    # (no longer segments), 1e-5 of the outputs' scale
+    np.testing.assert_allclose(kernel, twin, atol=1e-5 * np.abs(twin).max(), rtol=0)
+
+
+def test_the_bits_do_not_depend_on_the_threads():
+    """The same call in two processes, one held to a single core (the kernel then runs one
+    thread), one on every core: the same bytes."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "if sys.argv[1] == 'one':\n"
+        "    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "import hashlib\n"
+        "import numpy as np\n"
+        "from tests.test_vecinfer_cpu_kernel import LAYOUTS, _attend, _cache\n"
+        "c, normal = _cache(LAYOUTS[1], 5000, batch=2, seed=7)\n"
+        "_, kernel = _attend(c, normal, 4, 3, 2, 'causal')\n"
+        "print(hashlib.sha256(kernel.tobytes()).hexdigest())\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digests = [
+        subprocess.run(
+            [sys.executable, "-c", code, arm], capture_output=True, text=True, cwd=root, check=True
+        ).stdout.split()[-1]
+        for arm in ("one", "all")
+    ]
+    assert digests[0] == digests[1]
 
 
 def test_reruns_are_bit_identical():

@@ -955,11 +955,16 @@ class KmeansPPDraws : public CpuPrimitive {
 // coded token as q̃·codeword-decoded key, plus q·RoPE_t(μ) written as [a | b]·[cos | sin] of the
 // token's pair angles (the caller's `veloxquant.rope.phase_coefficients` and `phase_table`), keep
 // an online softmax, and sum p · the decoded value codewords. The past is cut into segments of
-// CODED_SEGMENT tokens, each attended on its own (its running max, sum and output) and merged in
-// order at the end; threads take whole segments, so the bits do not depend on how many threads
-// there are. Nothing of size [tokens, head_dim] is built: a block of CODED_BLOCK tokens' decoded
+// CODED_SEGMENT tokens (or longer, CODED_SCRATCH_FLOATS), each attended on its own (its running
+// max, sum and output) and merged in order at the end; threads take whole segments, so the bits
+// do not depend on how many threads there are. Nothing of size [tokens, head_dim] is built: a block of CODED_BLOCK tokens' decoded
 // rows and scores at a time, in L1.
 constexpr int64_t CODED_SEGMENT = 512;
+// The segments' partial outputs (segments x heads x rows x D floats) stay within this many
+// floats (16 MiB): a prefill chunk's many query rows over a long past take longer segments
+// (`segment_tokens`, which depends on the shapes only, so the bits still do not depend on the
+// thread count).
+constexpr int64_t CODED_SCRATCH_FLOATS = int64_t{1} << 22;
 constexpr int64_t CODED_BLOCK = 64;
 
 // rows [n, M·SUB] = the codewords of n tokens' M codes of `bits` bits (each token's codes a
@@ -1152,7 +1157,14 @@ class VecinferCodedAttention : public CpuPrimitive {
           *o = outputs[2].data<float>();
     encoder.dispatch([=]() {
       const int64_t R = L.rows, D = L.dim, heads = L.batch * L.heads;
-      const int64_t segments = std::max<int64_t>(1, (L.n_coded + CODED_SEGMENT - 1) / CODED_SEGMENT);
+      const int64_t per_segment = std::max<int64_t>(1, heads * R * D);
+      const int64_t most = std::max<int64_t>(1, CODED_SCRATCH_FLOATS / per_segment);
+      int64_t span = CODED_SEGMENT;
+      if ((L.n_coded + span - 1) / span > most) {  // whole blocks, at most `most` segments
+        span = (L.n_coded + most - 1) / most;
+        span = (span + CODED_BLOCK - 1) / CODED_BLOCK * CODED_BLOCK;
+      }
+      const int64_t segments = std::max<int64_t>(1, (L.n_coded + span - 1) / span);
       const int64_t units = heads * segments;
       std::vector<float> pm(units * R), pl(units * R), po(units * R * D);
       const int64_t parts = std::min<int64_t>(
@@ -1161,8 +1173,8 @@ class VecinferCodedAttention : public CpuPrimitive {
       run_parts(parts, [&](int64_t part, int64_t n_parts) {
         for (int64_t u = part * units / n_parts; u < (part + 1) * units / n_parts; ++u) {
           const int64_t bh = u / segments, seg = u % segments;
-          const int64_t t0 = seg * CODED_SEGMENT;
-          const int64_t t1 = std::min(L.n_coded, t0 + CODED_SEGMENT);
+          const int64_t t0 = seg * span;
+          const int64_t t1 = std::min(L.n_coded, t0 + span);
           coded_segment(L, bh / L.heads, bh % L.heads, t0, t1, qt, ab, kc, kb, vc, vb, phases,
                         pm.data() + u * R, pl.data() + u * R, po.data() + u * R * D);
         }

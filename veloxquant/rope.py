@@ -111,9 +111,11 @@ class RopeSpec:
 # Requests shorter than this rotate the mean directly: a table would cost as much and push a
 # long one out of the memo.
 TABLE_MIN_LENGTH = 16
-# A step asks for two spans per layer (the coded past; the tokens it encodes). Tables above
-# TABLE_KEPT_ELEMENTS (each of cos and sin) are not kept, so the memo holds at most 64 MiB
-# after a long prompt.
+# A step asks for two spans per layer (the coded past; the tokens it encodes). Rotation tables
+# above TABLE_KEPT_ELEMENTS (each of cos and sin) are not kept, so they hold at most 64 MiB
+# after a long prompt. Phase tables are kept whatever their length: the CPU kernel reads one
+# every layer of every step, a table is what one layer's call holds anyway, and each step's is
+# the previous step's grown by its new rows (`phase_table`).
 TABLES_KEPT = 2
 TABLE_KEPT_ELEMENTS = 1 << 22
 
@@ -154,13 +156,28 @@ def rotation_table(rope: RopeSpec, offset: int, length: int) -> tuple[mx.array, 
 
 def phase_table(rope: RopeSpec, offset: int, length: int) -> mx.array:
     """[cos θ_j | sin θ_j] [length, D] of every rotated pair j's angle at positions offset ..
-    offset + length - 1 (the model's own values, as `rotation_table`'s, and kept as they are):
-    with `phase_coefficients`, q·RoPE_m(μ) is one dot product of D terms."""
+    offset + length - 1 (the model's own values, as `rotation_table`'s): with
+    `phase_coefficients`, q·RoPE_m(μ) is one dot product of D terms. Kept per thread like the
+    rotation tables, and built from the longest kept table of the same offset plus the rows it
+    lacks: a decode step's table is the previous step's and one row (computing cos / sin is
+    what costs on the CPU; each row is the same whichever call computed it)."""
 
     def build() -> tuple[mx.array, None]:
-        return mx.concatenate(_pair_angles(rope, offset, length), axis=-1), None
+        shorter = [
+            (key[-1], hit[1])
+            for key, hit in _tables().items()
+            if key[:-1] == _key(rope, ("phase", offset, length))[:-1]
+            and key[-1] < length
+            and hit[0] is rope.freqs
+        ]
+        done, parts = 0, []
+        if shorter:
+            done, kept = max(shorter, key=lambda x: x[0])
+            parts.append(kept)
+        parts.append(mx.concatenate(_pair_angles(rope, offset + done, length - done), axis=-1))
+        return (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)), None
 
-    return _kept(("phase", offset, length), rope, length, build)[0]
+    return _kept(("phase", offset, length), rope, length, build, keep_any_length=True)[0]
 
 
 def phase_coefficients(q: mx.array, mean: mx.array, rope: RopeSpec) -> mx.array:
@@ -188,17 +205,24 @@ def _pair_angles(rope: RopeSpec, offset: int, length: int) -> tuple[mx.array, mx
     return turned[:, :half], turned[:, half:]
 
 
-def _kept(what: tuple, rope: RopeSpec, length: int, build: Callable) -> tuple:
+def _key(rope: RopeSpec, what: tuple) -> tuple:
+    return (rope.dims, rope.traditional, rope.base, rope.scale, id(rope.freqs), *what)
+
+
+def _kept(
+    what: tuple, rope: RopeSpec, length: int, build: Callable, keep_any_length: bool = False
+) -> tuple:
     """build()'s tables for `what` (a kind, the offset, the length) under `rope`, from the
-    per-thread memo when it has them; kept there when no bigger than TABLE_KEPT_ELEMENTS."""
-    key = (rope.dims, rope.traditional, rope.base, rope.scale, id(rope.freqs), *what)
+    per-thread memo when it has them; kept there when no bigger than TABLE_KEPT_ELEMENTS (or
+    whatever their size, keep_any_length)."""
+    key = _key(rope, what)
     tables = _tables()
     hit = tables.get(key)
     if hit is not None and hit[0] is rope.freqs:  # the kept reference pins freqs' id
         tables.move_to_end(key)
         return hit[1:]
     built = build()
-    if length * rope.dims <= TABLE_KEPT_ELEMENTS:
+    if keep_any_length or length * rope.dims <= TABLE_KEPT_ELEMENTS:
         tables[key] = (rope.freqs, *built)
         while len(tables) > TABLES_KEPT:
             tables.popitem(last=False)
