@@ -191,7 +191,7 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
         fused_names = ["vecinfer fused"] if on_gpu else ["vecinfer twin"]
         if not on_gpu and cpu_kernels.available():
             fused_names.append("vecinfer cpu kernel")
-        cpu_kernel_arm = {name: name == "vecinfer cpu kernel" for name in arms}
+        cpu_kernel_arm = dict.fromkeys(arms, False)
         if attention.routes(model):
             for name in fused_names:
                 if args.default_layout:

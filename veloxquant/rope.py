@@ -163,12 +163,11 @@ def phase_table(rope: RopeSpec, offset: int, length: int) -> mx.array:
     what costs on the CPU; each row is the same whichever call computed it)."""
 
     def build() -> tuple[mx.array, None]:
+        same_start = _key(rope, ("phase", offset))
         shorter = [
             (key[-1], hit[1])
             for key, hit in _tables().items()
-            if key[:-1] == _key(rope, ("phase", offset, length))[:-1]
-            and key[-1] < length
-            and hit[0] is rope.freqs
+            if key[:-1] == same_start and key[-1] < length and hit[0] is rope.freqs
         ]
         done, parts = 0, []
         if shorter:
