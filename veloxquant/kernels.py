@@ -418,6 +418,103 @@ class KernelSource:
 
 
 # ---------------------------------------------------------------------------------------------
+# The flash-decoding merge every split attention kernel ends with
+
+# One threadgroup of TILE threads per query head r (grid x) merges the n_splits + 1 partials of
+# its row (iparams[2] = n_splits): the running maxes m (log2 units), sums l and unnormalised
+# outputs o, o = Σ 2^(m_s - M)·o_s / Σ 2^(m_s - M)·l_s, written in the model's dtype. `heads`
+# holds 4 ints per KV head of the partial launch, the first the KV head itself.
+SPLIT_COMBINE_BODY = """
+  const int r = (int)vq_gx;
+  const int n_part = iparams[2] + 1;
+  const int tid = (int)vq_tid;
+  const int row = r * n_part;
+  constexpr int NW = TILE / 32;
+  constexpr int CPL = (D + 31) / 32;  // channels per lane
+  VQ_SHARED float s_red[NW];
+  VQ_SHARED float s_sum[NW];
+  VQ_SHARED float s_o[NW][D];
+  float m = NEG;
+  for (int s = tid; s < n_part; s += TILE) m = VQ_FMAX(m, part_m[row + s]);
+  m = vq_simd_max(m);
+  if (vq_lane == 0) s_red[vq_warp] = m;
+  VQ_BARRIER();
+  float big = s_red[0];
+  for (int w = 1; w < NW; ++w) big = VQ_FMAX(big, s_red[w]);
+  // SIMD group w sums splits w, w + NW, ..., COMBINE_UNROLL of them a trip; a split past the
+  // end reads the last one with weight 0 (no branch around the loads, which are then in
+  // flight together)
+  float l = 0.0f;
+  float o[CPL];
+  VQ_UNROLL
+  for (int j = 0; j < CPL; ++j) o[j] = 0.0f;
+  for (int s0 = (int)vq_warp; s0 < n_part; s0 += NW * COMBINE_UNROLL) {
+    VQ_UNROLL
+    for (int u = 0; u < COMBINE_UNROLL; ++u) {
+      const int s = s0 + u * NW;
+      const int at = row + (s < n_part ? s : n_part - 1);
+      const float w = s < n_part ? vq_exp2(part_m[at] - big) : 0.0f;
+      l += w * part_l[at];
+      VQ_UNROLL
+      for (int j = 0; j < CPL; ++j) {
+        const int c = (int)vq_lane + 32 * j;
+        if (D % 32 == 0 || c < D) o[j] += w * part_o[at * D + c];
+      }
+    }
+  }
+  VQ_UNROLL
+  for (int j = 0; j < CPL; ++j) {
+    const int c = (int)vq_lane + 32 * j;
+    if (D % 32 == 0 || c < D) s_o[vq_warp][c] = o[j];
+  }
+  if (vq_lane == 0) s_sum[vq_warp] = l;
+  VQ_BARRIER();
+  float total = 0.0f;
+  for (int w = 0; w < NW; ++w) total += s_sum[w];
+  // row r is query g of the partial launch's head r / GQ: query head kvh·GQ + g
+  const int qh = heads[4 * (r / GQ)] * GQ + r % GQ;
+  for (int c = tid; c < D; c += TILE) {
+    float o_sum = 0.0f;
+    for (int w = 0; w < NW; ++w) o_sum += s_o[w][c];
+    out[qh * D + c] = static_cast<OUT_T>(o_sum / total);
+  }
+"""
+
+
+SPLIT_COMBINE_INPUTS = ("part_m", "part_l", "part_o", "heads", "iparams")
+NEG = -1.0e30  # finite "minus infinity" of the split kernels (no inf arithmetic in kernels)
+
+
+@functools.lru_cache(maxsize=64)
+def split_combine_source(
+    name: str,
+    head_dim: int,
+    queries_per_kv: int,
+    out_dtype: mx.Dtype,
+    threads: int = 128,
+    unroll: int = 4,
+) -> KernelSource:
+    """The merge of a split attention kernel's partials (`SPLIT_COMBINE_BODY`) as kernel
+    `name`, `unroll` splits per SIMD group and trip."""
+    constants = {
+        "TILE": threads,
+        "NEG": NEG,
+        "D": head_dim,
+        "GQ": queries_per_kv,
+        "OUT_T": out_dtype,
+        "COMBINE_UNROLL": unroll,
+    }
+    return KernelSource(
+        name=name,
+        inputs=SPLIT_COMBINE_INPUTS,
+        outputs=("out",),
+        body=SPLIT_COMBINE_BODY,
+        constants=constants,
+        threads=threads,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Running them
 
 

@@ -45,6 +45,7 @@ from veloxquant.kernels import (
     device_resident,
     launch,
     launch_params,
+    split_combine_source,
     split_target,
 )
 
@@ -841,64 +842,6 @@ PARTIAL_INPUTS = (
     "fparams",
 )
 
-_COMBINE_BODY = """
-  const int r = (int)vq_gx;
-  const int n_part = iparams[2] + 1;
-  const int tid = (int)vq_tid;
-  const int row = r * n_part;
-  constexpr int NW = TILE / 32;
-  constexpr int CPL = (D + 31) / 32;  // channels per lane
-  VQ_SHARED float s_red[NW];
-  VQ_SHARED float s_sum[NW];
-  VQ_SHARED float s_o[NW][D];
-  float m = NEG;
-  for (int s = tid; s < n_part; s += TILE) m = VQ_FMAX(m, part_m[row + s]);
-  m = vq_simd_max(m);
-  if (vq_lane == 0) s_red[vq_warp] = m;
-  VQ_BARRIER();
-  float big = s_red[0];
-  for (int w = 1; w < NW; ++w) big = VQ_FMAX(big, s_red[w]);
-  // SIMD group w sums splits w, w + NW, ..., COMBINE_UNROLL of them a trip; a split past the
-  // end reads the last one with weight 0 (no branch around the loads, which are then in
-  // flight together)
-  float l = 0.0f;
-  float o[CPL];
-  VQ_UNROLL
-  for (int j = 0; j < CPL; ++j) o[j] = 0.0f;
-  for (int s0 = (int)vq_warp; s0 < n_part; s0 += NW * COMBINE_UNROLL) {
-    VQ_UNROLL
-    for (int u = 0; u < COMBINE_UNROLL; ++u) {
-      const int s = s0 + u * NW;
-      const int at = row + (s < n_part ? s : n_part - 1);
-      const float w = s < n_part ? vq_exp2(part_m[at] - big) : 0.0f;
-      l += w * part_l[at];
-      VQ_UNROLL
-      for (int j = 0; j < CPL; ++j) {
-        const int c = (int)vq_lane + 32 * j;
-        if (D % 32 == 0 || c < D) o[j] += w * part_o[at * D + c];
-      }
-    }
-  }
-  VQ_UNROLL
-  for (int j = 0; j < CPL; ++j) {
-    const int c = (int)vq_lane + 32 * j;
-    if (D % 32 == 0 || c < D) s_o[vq_warp][c] = o[j];
-  }
-  if (vq_lane == 0) s_sum[vq_warp] = l;
-  VQ_BARRIER();
-  float total = 0.0f;
-  for (int w = 0; w < NW; ++w) total += s_sum[w];
-  // row r is query g of the partial launch's head r / GQ: query head kvh·GQ + g
-  const int qh = heads[4 * (r / GQ)] * GQ + r % GQ;
-  for (int c = tid; c < D; c += TILE) {
-    float o_sum = 0.0f;
-    for (int w = 0; w < NW; ++w) o_sum += s_o[w][c];
-    out[qh * D + c] = static_cast<OUT_T>(o_sum / total);
-  }
-"""
-
-COMBINE_INPUTS = ("part_m", "part_l", "part_o", "heads", "iparams")
-
 
 @functools.lru_cache(maxsize=64)  # a decode step asks once per layer and layout
 def mma_takes(lay: Layout) -> str | None:
@@ -969,21 +912,8 @@ def _partial_kernel_source(
 
 @functools.lru_cache(maxsize=64)
 def combine_kernel_source(head_dim: int, queries_per_kv: int, out_dtype: mx.Dtype) -> KernelSource:
-    constants = {
-        "TILE": TILE,
-        "NEG": NEG,
-        "D": head_dim,
-        "GQ": queries_per_kv,
-        "OUT_T": out_dtype,
-        "COMBINE_UNROLL": COMBINE_UNROLL,
-    }
-    return KernelSource(
-        name="vq_kivi_attn_combine",
-        inputs=COMBINE_INPUTS,
-        outputs=("out",),
-        body=_COMBINE_BODY,
-        constants=constants,
-        threads=TILE,
+    return split_combine_source(
+        "vq_kivi_attn_combine", head_dim, queries_per_kv, out_dtype, TILE, COMBINE_UNROLL
     )
 
 
