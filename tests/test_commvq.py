@@ -881,8 +881,9 @@ def test_fused_twin_matches_float64_over_the_transient_fetch(traditional, center
 
 
 def test_fused_path_is_opt_in_and_attends_as_the_transient_path(monkeypatch):
-    # no GPU kernel yet: VELOXQUANT_FUSED=auto (the default) keeps the transient path even on a
-    # GPU; =1 routes the model's attention to the twin, with the transient path's logits
+    # its GPU kernels not yet run on a GPU: VELOXQUANT_FUSED=auto (the default) keeps the
+    # transient path even on a GPU; =1 routes the model's attention to the twin (on the CPU),
+    # with the transient path's logits
     model = tiny_llama()
     config = KVCacheConfig(method="commvq", uncalibrated=True, window=8, sinks=2)
     monkeypatch.setenv("VELOXQUANT_FUSED", "auto")

@@ -13,6 +13,7 @@ import pytest
 
 from tests import nvrtc
 from tests.test_kernels import LAYOUT_CHANGES, _layout
+from veloxquant.methods.commvq import kernels as COMMVQ
 from veloxquant.methods.kivi import kernels as KIVI
 from veloxquant.methods.vecinfer import kernels as K
 
@@ -141,6 +142,39 @@ def test_kivi_tensor_core_splits_are_sized_for_its_registers(arch):
     assert done.registers is not None
     fit = 65536 // (KIVI.TILE * (-(-done.registers // 8) * 8))  # registers go 8 at a time
     assert fit == KIVI.MMA_GROUPS_PER_MULTIPROCESSOR, (done.registers, fit)
+
+
+# CommVQ's partial kernel inputs (PARTIAL_INPUTS) for bf16 queries, fp16 windows, a float32 token
+COMMVQ_IN = [BF16, F16, F32, F32, F32, F16, U8, F16, U8, F16, F16, F16, F16, F32, F32, I32, F32]
+
+
+@pytest.mark.parametrize(
+    "d,stages,gq,value,trad",
+    [(128, 21, 4, (8, 4), False), (64, 11, 3, (8, 4), False), (32, 5, 2, (4, 2), True)],
+)
+def test_commvq_cuda_sources_compile_under_nvrtc(d, stages, gq, value, trad):
+    # the 8B shape at 2 bits, SmolLM2's, a small interleaved one; float32 and float16 atoms,
+    # key code rows as words and byte by byte
+    lay = COMMVQ.Layout(d, stages, gq, *value, trad, True, 8, 8, 1, 8)
+    for size in (4, 2):
+        for words in (True, False):
+            src = COMMVQ._partial_kernel_source(lay, size, words)
+            done = _compiles(src, COMMVQ_IN, [F32] * 3)
+            assert done.spill_bytes == 0
+    combine = COMMVQ.combine_kernel_source(d, gq, mx.bfloat16)
+    _compiles(combine, [F32, F32, F32, I32, I32], [BF16])
+
+
+def test_commvq_partial_fits_the_threadgroups_its_splits_aim_for():
+    # the splits aim for one wave of GROUPS_PER_MULTIPROCESSOR threadgroups per multiprocessor
+    # (fewer where the shared memory holds fewer): at the 8B shape the float32 atoms' 47.7 KB
+    # hold 4 on an H100's 228 KB, and the registers must allow them
+    lay = COMMVQ.Layout(128, 21, 4, 8, 4, False, True, 8, 8, 1, 8)
+    done = _compiles(COMMVQ.partial_kernel_source(lay, 4), COMMVQ_IN, [F32] * 3)
+    assert done.registers is not None
+    fit = 65536 // (COMMVQ.TILE * (-(-done.registers // 8) * 8))  # registers go 8 at a time
+    assert fit >= COMMVQ.GROUPS_PER_MULTIPROCESSOR == 4, (done.registers, fit)
+    assert 233472 // (COMMVQ.threadgroup_bytes(lay, 4) + 1024) == 4
 
 
 def test_nvrtc_refuses_what_only_a_cuda_compiler_sees():

@@ -259,7 +259,7 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[Comm
         )
         for i in range(dims.L)
     ]
-    # the fused path (the pure-MLX twin, no GPU kernel yet) only when VELOXQUANT_FUSED=1
+    # the fused path only when VELOXQUANT_FUSED=1: its GPU kernels have not yet run on a GPU
     attention.enable_for(model, caches, "commvq", auto=False)
     return caches
 

@@ -18,8 +18,9 @@ Encode (a token leaving the window): invert RoPE at the token's absolute positio
 greedy separable encoding over the R stages (`codebook.encode_residual`).
 
 Fused attention (opt-in: VELOXQUANT_FUSED=1; `fused_attention`, kernels.py): the same
-tokens attended with the coded past decoded one piece at a time under an online softmax, so
-no call holds the whole dequantized past; no GPU kernel yet (#14).
+tokens attended straight from the codes, nothing dequantized kept: GPU kernels for one decode
+query, elsewhere the pure-MLX twin, the coded past decoded one piece at a time under an online
+softmax.
 
 Fetch (the transient path, the default): decode Σ_r c(a_r, b_r), multiply by s,
 add μ, apply RoPE exactly at the coded tokens' positions (they are contiguous, from `sinks` on,
@@ -196,6 +197,7 @@ class CommVQCache(CompressedCache):
         self.fused = False  # set by make_caches (veloxquant.attention.enable_for)
         self._pending: dict | None = None
         self.last_attention: str | None = None
+        self._n_q_heads: int | None = None
         self._validate()
 
     def _validate(self) -> None:
@@ -407,10 +409,17 @@ class CommVQCache(CompressedCache):
 
     @property
     def attention_path(self) -> str:
-        """How attention runs: "reference" (fused: the pure-MLX twin, a piece of the coded
-        past at a time; no GPU kernel yet) or "transient" (the whole coded past decoded, then
-        mlx-lm's attention)."""
-        return "reference" if self.fused else "transient"
+        """How decode attention runs: "kernel" (the fused GPU kernels), "reference" (their
+        algebra in MLX ops, a piece of the coded past at a time: the CPU, or a codebook form
+        the kernels do not take, see `kernels.unsupported`) or "transient" (the whole coded
+        past decoded, then mlx-lm's attention). `last_attention` says what the latest call
+        used (prefill chunks take "reference" when fused)."""
+        if not self.fused:
+            return "transient"
+        from veloxquant.methods.commvq import kernels
+
+        n_q = self._n_q_heads or self.n_heads
+        return "kernel" if kernels.kernels_take(self, n_q) else "reference"
 
     def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._check_no_pending()
@@ -437,12 +446,18 @@ class CommVQCache(CompressedCache):
 
     def fused_attention(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         """Attention of `queries` over everything the cache held for the latest update, in
-        the model's dtype, without decoding the coded past whole (kernels.reference_attention)."""
+        the model's dtype, without decoding the coded past whole: the GPU kernels for a single
+        decode query, the pure-MLX twin (a piece of the coded past at a time) otherwise."""
         from veloxquant.methods.commvq import kernels
 
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("CommVQCache.fused_attention: no update to attend over")
+        b, n_q, n, _ = queries.shape
+        self._n_q_heads = n_q
+        if b == 1 and n == 1 and mask is None and kernels.kernels_take(self, n_q):
+            self.last_attention = "kernel"
+            return kernels.decode_attention(self, queries, scale, pending)
         self.last_attention = "reference"
         return kernels.reference_attention(self, queries, scale, mask, pending)
 
@@ -496,6 +511,8 @@ class CommVQCache(CompressedCache):
         # from_state skips __init__; a loaded cache stays on the transient path (the fused one
         # is opt-in until the GPU kernels exist; set `fused` to choose)
         self.fused, self._pending, self.last_attention = False, None, None
+        self._n_q_heads = None
+        self.__dict__.pop("_kernel_memo", None)  # kernels.py's memo of the arrays just replaced
         self._validate()
 
     def _set_meta(self, meta: dict[str, Any]) -> None:
