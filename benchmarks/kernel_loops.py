@@ -6,6 +6,7 @@ the kinds that tell the loops apart.
 
     python benchmarks/kernel_loops.py
     python benchmarks/kernel_loops.py --kivi   # KIVI's partial kernel (8B shape, G 64, 2/2 bits)
+    python benchmarks/kernel_loops.py --commvq # CommVQ's partial kernel (8B shape, 2-bit keys)
 
 A loop's instructions run once per trip, so the tile loop's cost per tile is its own
 instructions plus each inner loop's times its trips (the trips are the layout's: see
@@ -25,6 +26,7 @@ import veloxquant  # noqa: F401  (preloads OpenBLAS before mlx)
 from bench_kernels import decode_inputs
 from kernel_code_size import D, G, H, compile_and_read
 from veloxquant.kernels import dtype_name
+from veloxquant.methods.commvq import kernels as COMMVQ
 from veloxquant.methods.kivi import kernels as KIVI
 from veloxquant.methods.vecinfer import kernels as K
 
@@ -101,11 +103,36 @@ def report_kivi(work: Path, key_bits: int, value_bits: int, mma: bool) -> None:
         print(f"    {start:#07x}-{end:#07x}: {sum(ops.values()):5d}  {kinds}")
 
 
+def report_commvq(work: Path, atom_size: int, code_words: bool) -> None:
+    """CommVQ's partial kernel at the 8B shape with 2-bit keys (R = 21 stages, d4b8 values, int8
+    atoms per head, the key mean): its coded-token loop is the longest span, run once per
+    token and KV head by a SIMD group (it includes the accurate sincos's slow path for angles
+    past 105615 rad, which the trips at shorter positions skip)."""
+    lay = COMMVQ.Layout(D, 21, G, 8, 4, False, True, H, H, 1, H)
+    ins = ["bfloat16", "float16", "float32", "float32", "float32", "float16", "uint8", "float16"]
+    ins += ["uint8"] + ["float16"] * 4 + ["float32"] * 2 + ["int32", "float32"]
+    source = COMMVQ._partial_kernel_source(lay, atom_size, code_words)
+    tu = source.cuda_translation_unit(ins, ["float32"] * 3)
+    used, sass = compile_and_read(tu, work, f"commvq{atom_size}{int(code_words)}")
+    smem = COMMVQ.threadgroup_bytes(lay, atom_size)
+    print(f"CommVQ partial, {lay}, atoms float{8 * atom_size}, code rows as words {code_words}")
+    print(f"  {used}; {smem} bytes of threadgroup memory")
+    print("  loops: all, then FFMA HMMA LDS LDG MUFU SHFL BAR")
+    for start, end, ops in loops(sass):
+        kinds = " ".join(f"{ops.get(k, 0):4d}" for k in SHOWN)
+        print(f"    {start:#07x}-{end:#07x}: {sum(ops.values()):5d}  {kinds}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--kivi", action="store_true", help="KIVI's partial kernel instead")
+    p.add_argument("--commvq", action="store_true", help="CommVQ's partial kernel instead")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.commvq:
+            for atom_size, words in ((4, True), (4, False), (2, True)):
+                report_commvq(Path(tmp), atom_size, words)
+            return
         if args.kivi:
             for kb, vb in ((2, 2), (4, 2), (3, 5)):
                 takes = KIVI.mma_takes(KIVI.Layout(D, 64, kb, vb, G)) is None
