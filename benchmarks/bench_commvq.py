@@ -7,8 +7,10 @@
    64-token chunk, next to the fp16 model's decode step (whole model).
 3. Decode step: one-token forward with a fp16 `KVCache` vs `CommVQCache`s holding 1K and 4K
    tokens (filled through `update_and_fetch` with random keys/values; timing does not depend on
-   their values or on θ, so uncalibrated caches of the calibrated shape are used). Arms
-   alternate; ratios per pair.
+   their values or on θ, so uncalibrated caches of the calibrated shape are used): on the
+   transient path, on the fused path's twin and on its CPU kernel (`kernels.CPU_KERNEL`).
+   Arms rotate their order from repeat to repeat; ratios to the fp16 arm's step of the same
+   repeat.
 4. `--bits`: resident bits per element vs context length for 2- and 1-bit keys, the default
    shared-atom form (per head, per layer) and the paper's free θ per stage, two windows each
    (nothing else runs).
@@ -25,6 +27,7 @@ Timings are interleaved over `--repeats`, reported as median [min, max].
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -37,6 +40,7 @@ from mlx_lm.models.cache import KVCache
 from veloxquant.config import KVCacheConfig
 from veloxquant.methods.commvq import METHOD, make_caches
 from veloxquant.methods.commvq import codebook as cb
+from veloxquant.methods.commvq import kernels as K
 from veloxquant.methods.commvq import train as tr
 from veloxquant.model_import import load_model
 from _common import fmt, model_dtype, random_weights_model
@@ -119,8 +123,13 @@ def bench_bits(model) -> None:
                 )
 
 
-def filled(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 512) -> list:
+def filled(
+    model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 512, fused: bool = False
+) -> list:
+    """Caches holding n_tokens random tokens: fp16 `KVCache`s (config None) or CommVQ caches on
+    the transient path or, with `fused`, on the fused one (filled without attention calls)."""
     a = model.args
+    os.environ["VELOXQUANT_FUSED"] = "1" if fused else "0"
     caches = make_caches(model, config, None) if config else [KVCache() for _ in model.layers]
     rng = np.random.default_rng(0)
     for c in caches:
@@ -130,6 +139,8 @@ def filled(model, config: KVCacheConfig | None, n_tokens: int, chunk: int = 512)
                 rng.normal(size=(1, a.num_key_value_heads, m, a.head_dim)).astype(np.float32)
             ).astype(model_dtype(model))
             c.update_and_fetch(x, x)
+            if fused:
+                c._pending = None  # no attention for a fill
         mx.eval([c.state for c in caches])
     return caches
 
@@ -175,22 +186,33 @@ def bench_encode_and_decode(args, model, config: KVCacheConfig) -> None:
         " of it"
     )
     for ctx in args.contexts:
-        fp, cq = filled(model, None, ctx), filled(model, config, ctx)
-        for caches in (fp, cq):
+        arms = {
+            "KVCache": (filled(model, None, ctx), True),
+            "commvq transient": (filled(model, config, ctx), True),
+            "commvq twin": (filled(model, config, ctx, fused=True), False),
+            "commvq cpu kernel": (filled(model, config, ctx, fused=True), True),
+        }
+        times = {name: [] for name in arms}
+        names = list(arms)
+        for caches, cpu_kernel in arms.values():
+            K.CPU_KERNEL = cpu_kernel
             step(model, caches, token)
-        t_fp, t_cq, ratios = [], [], []
         for r in range(args.repeats):
-            arms = [(fp, t_fp), (cq, t_cq)] if r % 2 == 0 else [(cq, t_cq), (fp, t_fp)]
-            for caches, out in arms:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                caches, cpu_kernel = arms[name]
+                K.CPU_KERNEL = cpu_kernel  # the twin's arm: the fused path without the kernel
                 t0 = time.perf_counter()
                 step(model, caches, token)
-                out.append(time.perf_counter() - t0)
-            ratios.append(t_cq[-1] / t_fp[-1])
-        print(f"decode step at {ctx} context:")
-        print(f"  fp16 KVCache {fmt(t_fp, 1e3, ' ms')}")
-        print(f"  commvq       {fmt(t_cq, 1e3, ' ms')} (transient decode of every code)")
-        print(f"  ratio        {fmt(ratios, unit='x')}")
-        del fp, cq
+                times[name].append(time.perf_counter() - t0)
+        K.CPU_KERNEL = True
+        path = arms["commvq cpu kernel"][0][0].last_attention
+        print(f"decode step at {ctx} context (the kernel arm's attention: {path}):")
+        base = times["KVCache"]
+        for name, t in times.items():
+            ratios = [x / y for x, y in zip(t, base, strict=True)]
+            extra = "" if name == "KVCache" else f"  ratio {fmt(ratios, unit='x')}"
+            print(f"  {name:<18} {fmt(t, 1e3, ' ms')}{extra}")
+        del arms
 
 
 def main() -> None:

@@ -502,3 +502,28 @@ def run(
     ptrs = (ctypes.c_void_p * (len(ins) + len(outs)))(*[a.ctypes.data for a in ins + outs])
     lib.vq_run(ptrs, grid[0], grid[1], grid[2], source.threads, int(reverse))
     return outs
+
+
+def launch_for(backend: str):
+    """`veloxquant.kernels.launch` with this emulator (of `backend`'s source) for the GPU: MLX
+    arrays in and out, each input checked as `launch` checks it (>= 8 elements), bfloat16
+    carried as its uint16 bit pattern (numpy has no bfloat16)."""
+    import mlx.core as mx
+
+    from veloxquant.kernels import check_inputs, dtype_name
+
+    def launch(source, inputs, grid, output_shapes, output_dtypes):
+        check_inputs(source, inputs)
+        mx.eval(inputs)
+        bf16 = mx.bfloat16
+        arrays = [np.array(x.view(mx.uint16) if x.dtype == bf16 else x) for x in inputs]
+        in_names = [dtype_name(x.dtype) for x in inputs]
+        names = [dtype_name(dt) for dt in output_dtypes]
+        shapes = [tuple(s) for s in output_shapes]
+        outs = run(source, backend, arrays, grid, shapes, names, input_dtypes=in_names)
+        return [
+            mx.array(o).view(bf16) if dt == bf16 else mx.array(o)
+            for o, dt in zip(outs, output_dtypes, strict=True)
+        ]
+
+    return launch

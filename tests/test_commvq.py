@@ -616,10 +616,18 @@ def test_save_and_load_prompt_cache_round_trip(tiny_bundle, tmp_path):
     loaded = load_prompt_cache(path)
     assert [type(c) for c in loaded] == [CommVQCache] * len(caches)
     assert loaded[0].offset == 40 and loaded[0].nbytes == caches[0].nbytes
+    # a loaded cache attends the way a fresh one would here (fused where the CPU kernel runs),
+    # from its second update on: its first is transient (attention.route_proven)
+    assert loaded[0].fused == caches[0].fused
     nxt = mx.array(_tokens(1, 1, seed=9))
-    np.testing.assert_array_equal(
-        np.array(model(nxt, cache=caches)), np.array(model(nxt, cache=loaded))
-    )
+    a, b = model(nxt, cache=caches), model(nxt, cache=loaded)
+    assert loaded[0].last_attention == "transient"
+    fused = caches[0].last_attention == "cpu-kernel"
+    # the same bits on one path; float32 rounding between the CPU kernel and the transient path
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4 if fused else 0, rtol=0)
+    a, b = model(nxt, cache=caches), model(nxt, cache=loaded)
+    assert loaded[0].last_attention == caches[0].last_attention
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4 if fused else 0, rtol=0)
 
 
 # ------------------------------------------------------------------------------- bad input
@@ -881,15 +889,25 @@ def test_fused_twin_matches_float64_over_the_transient_fetch(traditional, center
 
 
 def test_fused_path_is_opt_in_and_attends_as_the_transient_path(monkeypatch):
-    # its GPU kernels not yet run on a GPU: VELOXQUANT_FUSED=auto (the default) keeps the
-    # transient path even on a GPU; =1 routes the model's attention to the twin (on the CPU),
-    # with the transient path's logits
+    # VELOXQUANT_FUSED=auto (the default) fuses where the CPU kernel runs (here, on x86 Linux
+    # with the extension built) and keeps the transient path otherwise, a GPU included (its
+    # kernels not yet run on one); =0 keeps it, =1 fuses everywhere (the twin where no kernel
+    # runs), with the transient path's logits
+    from veloxquant.methods.commvq import kernels
+
     model = tiny_llama()
     config = KVCacheConfig(method="commvq", uncalibrated=True, window=8, sinks=2)
     monkeypatch.setenv("VELOXQUANT_FUSED", "auto")
+    auto = make_caches(model, config, None)
+    assert all(c.fused == kernels.cpu_kernel_here() for c in auto)
+    monkeypatch.setattr(kernels, "CPU_KERNEL", False)  # as where the extension is not built
+    assert not any(c.fused for c in make_caches(model, config, None))
+    monkeypatch.undo()
+    monkeypatch.setenv("VELOXQUANT_FUSED", "0")
     ref = make_caches(model, config, None)
     assert not any(c.fused for c in ref) and ref[0].attention_path == "transient"
     monkeypatch.setenv("VELOXQUANT_FUSED", "1")
+    monkeypatch.setattr(kernels, "CPU_KERNEL", False)  # the twin
     fused = make_caches(model, config, None)
     assert all(c.fused for c in fused) and fused[0].attention_path == "reference"
     tokens = mx.array(_tokens(1, 40, seed=5))

@@ -26,7 +26,7 @@ from mlx_lm.models.base import create_causal_mask
 import veloxquant.kernels as vk
 from tests import kernel_emulator as emu
 from veloxquant import KVCacheConfig, make_cache
-from veloxquant.kernels import check_metal_source, dtype_name
+from veloxquant.kernels import check_metal_source
 from veloxquant.methods.kivi import KIVICache
 from veloxquant.methods.kivi import kernels as K
 
@@ -35,23 +35,7 @@ needs_cxx = pytest.mark.skipif(emu.CXX is None, reason="no C++ compiler for the 
 
 def _emulated(backend: str):
     """`veloxquant.kernels.launch` with the emulator (of `backend`'s source) for the GPU."""
-
-    def run(source, inputs, grid, output_shapes, output_dtypes):
-        vk.check_inputs(source, inputs)  # as launch() does: every input of >= 8 elements
-        mx.eval(inputs)
-        # numpy has no bfloat16: such arrays travel as their uint16 bit patterns
-        bf16 = mx.bfloat16
-        arrays = [np.array(x.view(mx.uint16) if x.dtype == bf16 else x) for x in inputs]
-        in_names = [dtype_name(x.dtype) for x in inputs]
-        names = [dtype_name(dt) for dt in output_dtypes]
-        shapes = [tuple(s) for s in output_shapes]
-        outs = emu.run(source, backend, arrays, grid, shapes, names, input_dtypes=in_names)
-        return [
-            mx.array(o).view(bf16) if dt == bf16 else mx.array(o)
-            for o, dt in zip(outs, output_dtypes, strict=True)
-        ]
-
-    return run
+    return emu.launch_for(backend)
 
 
 def _keys(rng, h: int, n: int, d: int) -> np.ndarray:

@@ -1007,6 +1007,59 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Tokens per segment of n_coded coded tokens, each segment's partials `per_segment` floats:
+// CODED_SEGMENT, or longer (whole blocks) where the segments' partials would pass
+// CODED_SCRATCH_FLOATS. From the shapes only, so the bits do not depend on the thread count.
+int64_t segment_span(int64_t n_coded, int64_t per_segment) {
+  const int64_t most = std::max<int64_t>(1, CODED_SCRATCH_FLOATS / std::max<int64_t>(1, per_segment));
+  int64_t span = CODED_SEGMENT;
+  if ((n_coded + span - 1) / span > most) {  // whole blocks, at most `most` segments
+    span = (n_coded + most - 1) / most;
+    span = (span + CODED_BLOCK - 1) / CODED_BLOCK * CODED_BLOCK;
+  }
+  return span;
+}
+
+// Each head's segments merged in order: (m, l, o) [heads, R(, D)] from the partials
+// pm, pl [heads, segments, R] and po [heads, segments, R, D] of exp(score - m).
+void merge_segments(
+    int64_t heads, int64_t segments, int64_t R, int64_t D, const float* pm, const float* pl,
+    const float* po, float* m, float* l, float* o) {
+  for (int64_t bh = 0; bh < heads; ++bh) {
+    for (int64_t r = 0; r < R; ++r) {
+      float mx_all = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < segments; ++s) {
+        mx_all = std::max(mx_all, pm[(bh * segments + s) * R + r]);
+      }
+      float sum = 0.0f;
+      float* out = o + (bh * R + r) * D;
+      std::fill(out, out + D, 0.0f);
+      for (int64_t s = 0; s < segments; ++s) {
+        const int64_t u = bh * segments + s;
+        const float w = pm[u * R + r] == mx_all ? 1.0f : std::exp(pm[u * R + r] - mx_all);
+        sum += pl[u * R + r] * w;
+        const float* part_out = po + (u * R + r) * D;
+        for (int64_t j = 0; j < D; ++j) out[j] += w * part_out[j];
+      }
+      m[bh * R + r] = mx_all;
+      l[bh * R + r] = sum;
+    }
+  }
+}
+
+// The block's softmax step for each of its R rows: scores [R, CODED_BLOCK] of n tokens become
+// exp(score - new max), l rescales by alpha (1 where the max stays).
+__attribute__((target("avx2,fma"))) void block_softmax(
+    float* scores, int64_t n, int64_t R, float* m, float* l, float* alpha) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* s = scores + r * CODED_BLOCK;
+    const float m_new = std::max(m[r], row_max(s, n));
+    alpha[r] = m[r] == m_new ? 1.0f : std::exp(m[r] - m_new);
+    l[r] = l[r] * alpha[r] + exps_and_sum(s, s, n, m_new);
+    m[r] = m_new;
+  }
+}
+
 struct CodedLayout {
   int64_t batch, heads, rows, dim, capacity, n_coded;
   int64_t key_bytes, value_bytes, key_codes, value_codes, key_books, value_books;
@@ -1079,21 +1132,18 @@ __attribute__((target("avx2,fma"))) void block_outputs(
   }
 }
 
-// One segment [t0, t1) of KV head (b, h): m [R], l [R], o [R, D] of exp(score - m).
-template <int V>
-__attribute__((target("avx2,fma"))) void coded_segment(
-    const CodedLayout& L, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* qt,
-    const float* ab, const uint8_t* kcodes, const float* kbook, const uint8_t* vcodes,
-    const float* vbook, const float* phases, float* m_out, float* l_out, float* o_out) {
-  const int64_t R = L.rows, D = L.dim, bh = b * L.heads + h;
-  const float* q = qt + bh * R * D;
-  const float* a = L.mean ? ab + bh * R * D : nullptr;
-  const float* kb = kbook + (L.key_books > 1 ? h : 0) * L.key_k * L.key_sub;
-  const float* vb = vbook + (L.value_books > 1 ? h : 0) * L.value_k * L.value_sub;
-  const uint8_t* kc = kcodes + bh * L.capacity * L.key_bytes;
-  const uint8_t* vc = vcodes + bh * L.capacity * L.value_bytes;
+// One segment [t0, t1) of one KV head: m [R], l [R], o [R, D] of exp(score - m) for the query
+// rows q [R, D], over blocks of CODED_BLOCK tokens whose key rows [n, D] `key_rows(t, n, rows)`
+// writes (with ab [R, D], the rows' mean-term coefficients against the block's phases [n, D];
+// none: null) and whose values are product-VQ codewords of `vb` [K, d].
+template <int V, typename KeyRows>
+__attribute__((target("avx2,fma"))) void attend_segment(
+    int64_t R, int64_t D, int64_t t0, int64_t t1, const float* q, const float* ab,
+    const float* phases, KeyRows key_rows, const uint8_t* vc, int64_t value_bytes,
+    const float* vb, int64_t value_codes, int value_bits, int value_sub, float* m_out,
+    float* l_out, float* o_out) {
   std::vector<float> scores(R * CODED_BLOCK), rows(CODED_BLOCK * D), alpha(R);
-  std::vector<uint8_t> codes(CODED_BLOCK * std::max(L.key_bytes, L.value_bytes) + 4);
+  std::vector<uint8_t> codes(CODED_BLOCK * value_bytes + 4);
   for (int64_t r = 0; r < R; ++r) {
     m_out[r] = -std::numeric_limits<float>::infinity();
     l_out[r] = 0.0f;
@@ -1101,24 +1151,56 @@ __attribute__((target("avx2,fma"))) void coded_segment(
   std::fill(o_out, o_out + R * D, 0.0f);
   for (int64_t t = t0; t < t1; t += CODED_BLOCK) {
     const int64_t n = std::min(CODED_BLOCK, t1 - t);
-    std::memcpy(codes.data(), kc + t * L.key_bytes, n * L.key_bytes);
-    decode_rows_any(codes.data(), n, L.key_bytes, kb, L.key_codes, L.key_bits, L.key_sub,
+    key_rows(t, n, rows.data());
+    block_scores<V>(q, ab, rows.data(), ab ? phases + t * D : nullptr, n, R, D, scores.data());
+    block_softmax(scores.data(), n, R, m_out, l_out, alpha.data());
+    std::memcpy(codes.data(), vc + t * value_bytes, n * value_bytes);
+    decode_rows_any(codes.data(), n, value_bytes, vb, value_codes, value_bits, value_sub,
                     rows.data());
-    block_scores<V>(q, a, rows.data(), L.mean ? phases + t * D : nullptr, n, R, D,
-                    scores.data());
-    // the block's softmax step per row: scores become exp(score - new max), l rescales
-    for (int64_t r = 0; r < R; ++r) {
-      float* s = scores.data() + r * CODED_BLOCK;
-      const float m_new = std::max(m_out[r], row_max(s, n));
-      alpha[r] = m_out[r] == m_new ? 1.0f : std::exp(m_out[r] - m_new);
-      l_out[r] = l_out[r] * alpha[r] + exps_and_sum(s, s, n, m_new);
-      m_out[r] = m_new;
-    }
-    std::memcpy(codes.data(), vc + t * L.value_bytes, n * L.value_bytes);
-    decode_rows_any(codes.data(), n, L.value_bytes, vb, L.value_codes, L.value_bits,
-                    L.value_sub, rows.data());
     block_outputs<V>(scores.data(), alpha.data(), rows.data(), n, R, D, o_out);
   }
+}
+
+// Every head's first n_coded coded tokens in segments (`segment_span`), each attended by
+// `segment(bh, t0, t1, m, l, o)` on the worker threads (`work` sizes them), then each head's
+// segments merged in order into m [heads, R], l [heads, R], o [heads, R, D].
+template <typename Segment>
+void attend_in_segments(
+    int64_t heads, int64_t R, int64_t D, int64_t n_coded, int64_t work, Segment segment,
+    float* m, float* l, float* o) {
+  const int64_t span = segment_span(n_coded, heads * R * D);
+  const int64_t segments = std::max<int64_t>(1, (n_coded + span - 1) / span);
+  const int64_t units = heads * segments;
+  std::vector<float> pm(units * R), pl(units * R), po(units * R * D);
+  const int64_t parts = std::min<int64_t>(units, worker_threads(work));
+  run_parts(parts, [&](int64_t part, int64_t n_parts) {
+    for (int64_t u = part * units / n_parts; u < (part + 1) * units / n_parts; ++u) {
+      const int64_t bh = u / segments, t0 = (u % segments) * span;
+      segment(bh, t0, std::min(n_coded, t0 + span), pm.data() + u * R, pl.data() + u * R,
+              po.data() + u * R * D);
+    }
+  });
+  merge_segments(heads, segments, R, D, pm.data(), pl.data(), po.data(), m, l, o);
+}
+
+// One segment [t0, t1) of KV head (b, h): m [R], l [R], o [R, D] of exp(score - m).
+template <int V>
+__attribute__((target("avx2,fma"))) void coded_segment(
+    const CodedLayout& L, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* qt,
+    const float* ab, const uint8_t* kcodes, const float* kbook, const uint8_t* vcodes,
+    const float* vbook, const float* phases, float* m_out, float* l_out, float* o_out) {
+  const int64_t R = L.rows, D = L.dim, bh = b * L.heads + h;
+  const float* kb = kbook + (L.key_books > 1 ? h : 0) * L.key_k * L.key_sub;
+  const float* vb = vbook + (L.value_books > 1 ? h : 0) * L.value_k * L.value_sub;
+  const uint8_t* kc = kcodes + bh * L.capacity * L.key_bytes;
+  std::vector<uint8_t> codes(CODED_BLOCK * L.key_bytes + 4);
+  const auto key_rows = [&](int64_t t, int64_t n, float* rows) {
+    std::memcpy(codes.data(), kc + t * L.key_bytes, n * L.key_bytes);
+    decode_rows_any(codes.data(), n, L.key_bytes, kb, L.key_codes, L.key_bits, L.key_sub, rows);
+  };
+  attend_segment<V>(R, D, t0, t1, qt + bh * R * D, L.mean ? ab + bh * R * D : nullptr, phases,
+                    key_rows, vcodes + bh * L.capacity * L.value_bytes, L.value_bytes, vb,
+                    L.value_codes, L.value_bits, L.value_sub, m_out, l_out, o_out);
 }
 
 using CodedSegmentFn = void (*)(
@@ -1157,49 +1239,14 @@ class VecinferCodedAttention : public CpuPrimitive {
           *o = outputs[2].data<float>();
     encoder.dispatch([=]() {
       const int64_t R = L.rows, D = L.dim, heads = L.batch * L.heads;
-      const int64_t per_segment = std::max<int64_t>(1, heads * R * D);
-      const int64_t most = std::max<int64_t>(1, CODED_SCRATCH_FLOATS / per_segment);
-      int64_t span = CODED_SEGMENT;
-      if ((L.n_coded + span - 1) / span > most) {  // whole blocks, at most `most` segments
-        span = (L.n_coded + most - 1) / most;
-        span = (span + CODED_BLOCK - 1) / CODED_BLOCK * CODED_BLOCK;
-      }
-      const int64_t segments = std::max<int64_t>(1, (L.n_coded + span - 1) / span);
-      const int64_t units = heads * segments;
-      std::vector<float> pm(units * R), pl(units * R), po(units * R * D);
-      const int64_t parts = std::min<int64_t>(
-          units, worker_threads(L.n_coded * heads * R * D * 16));
       const CodedSegmentFn coded_segment = coded_segment_for(D);
-      run_parts(parts, [&](int64_t part, int64_t n_parts) {
-        for (int64_t u = part * units / n_parts; u < (part + 1) * units / n_parts; ++u) {
-          const int64_t bh = u / segments, seg = u % segments;
-          const int64_t t0 = seg * span;
-          const int64_t t1 = std::min(L.n_coded, t0 + span);
-          coded_segment(L, bh / L.heads, bh % L.heads, t0, t1, qt, ab, kc, kb, vc, vb, phases,
-                        pm.data() + u * R, pl.data() + u * R, po.data() + u * R * D);
-        }
-      });
-      // merge each head's segments, in order
-      for (int64_t bh = 0; bh < heads; ++bh) {
-        for (int64_t r = 0; r < R; ++r) {
-          float mx_all = -std::numeric_limits<float>::infinity();
-          for (int64_t s = 0; s < segments; ++s) {
-            mx_all = std::max(mx_all, pm[(bh * segments + s) * R + r]);
-          }
-          float sum = 0.0f;
-          float* out = o + (bh * R + r) * D;
-          std::fill(out, out + D, 0.0f);
-          for (int64_t s = 0; s < segments; ++s) {
-            const int64_t u = bh * segments + s;
-            const float w = pm[u * R + r] == mx_all ? 1.0f : std::exp(pm[u * R + r] - mx_all);
-            sum += pl[u * R + r] * w;
-            const float* part_out = po.data() + (u * R + r) * D;
-            for (int64_t j = 0; j < D; ++j) out[j] += w * part_out[j];
-          }
-          m[bh * R + r] = mx_all;
-          l[bh * R + r] = sum;
-        }
-      }
+      const auto segment = [&](int64_t bh, int64_t t0, int64_t t1, float* pm, float* pl,
+                               float* po) {
+        coded_segment(L, bh / L.heads, bh % L.heads, t0, t1, qt, ab, kc, kb, vc, vb, phases,
+                      pm, pl, po);
+      };
+      attend_in_segments(heads, R, D, L.n_coded, L.n_coded * heads * R * D * 16, segment, m, l,
+                         o);
     });
   }
 
@@ -1213,6 +1260,204 @@ class VecinferCodedAttention : public CpuPrimitive {
 
  private:
   CodedLayout layout_;
+};
+
+// CommVQ: the keys of n coded tokens as rows [n, D] in pair layout (each RoPE pair's x, then
+// every pair's y), rotated at their positions: pair j of token i is
+// RoPE_i(s_i · scale_j · Σ_r g_rj (A_j[a_r] + i·A_j[b_r]) + μ_j), with the token's 12-bit codes
+// (a_r, b_r) packed as the cache packs them (R high bytes, then the low nibbles two a byte),
+// atoms [64, 2, P] and gains [R, 2, P] of its head, phases [n, D] its [cos | sin]. VP = P / 8
+// vectors a half row (0: any P, one lane at a time).
+struct CommvqLayout {
+  int64_t batch, heads, rows, dim, capacity, n_coded, stages, key_bytes, value_bytes;
+  int64_t atom_sets, gain_sets, value_books, value_codes, value_k, value_sub;
+  int value_bits;
+  bool mean, traditional, scaled;
+
+  bool operator==(const CommvqLayout&) const = default;
+};
+
+inline uint32_t commvq_code(const uint8_t* row, int64_t stages, int64_t r) {
+  return (static_cast<uint32_t>(row[r]) << 4) | ((row[stages + (r >> 1)] >> ((r & 1) * 4)) & 15u);
+}
+
+template <int VP>
+__attribute__((target("avx2,fma"))) void commvq_key_rows(
+    const CommvqLayout& L, const uint8_t* codes, const float* scales, const float* atoms,
+    const float* pair_scale, const float* gains, const float* mean, const float* phases,
+    int64_t n, float* rows) {
+  const int64_t P = L.dim / 2, R = L.stages;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = codes + i * L.key_bytes;
+    const float* ph = phases + i * L.dim;
+    float* out = rows + i * L.dim;
+    if constexpr (VP > 0) {
+      __m256 zx[VP], zy[VP];
+      for (int v = 0; v < VP; ++v) zx[v] = zy[v] = _mm256_setzero_ps();
+      for (int64_t r = 0; r < R; ++r) {
+        const uint32_t code = commvq_code(row, R, r);
+        const float* a = atoms + (code >> 6) * 2 * P;
+        const float* b = atoms + (code & 63u) * 2 * P;
+        const float* g = gains + r * 2 * P;
+        for (int v = 0; v < VP; ++v) {
+          const __m256 ux = _mm256_sub_ps(_mm256_loadu_ps(a + 8 * v), _mm256_loadu_ps(b + P + 8 * v));
+          const __m256 uy = _mm256_add_ps(_mm256_loadu_ps(a + P + 8 * v), _mm256_loadu_ps(b + 8 * v));
+          const __m256 gx = _mm256_loadu_ps(g + 8 * v), gy = _mm256_loadu_ps(g + P + 8 * v);
+          zx[v] = _mm256_fnmadd_ps(gy, uy, _mm256_fmadd_ps(gx, ux, zx[v]));
+          zy[v] = _mm256_fmadd_ps(gy, ux, _mm256_fmadd_ps(gx, uy, zy[v]));
+        }
+      }
+      const __m256 s = _mm256_set1_ps(scales[i]);
+      for (int v = 0; v < VP; ++v) {
+        const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(pair_scale + 8 * v), s);
+        __m256 kx = _mm256_mul_ps(zx[v], sc), ky = _mm256_mul_ps(zy[v], sc);
+        if (mean) {
+          kx = _mm256_add_ps(kx, _mm256_loadu_ps(mean + 8 * v));
+          ky = _mm256_add_ps(ky, _mm256_loadu_ps(mean + P + 8 * v));
+        }
+        const __m256 c = _mm256_loadu_ps(ph + 8 * v), sn = _mm256_loadu_ps(ph + P + 8 * v);
+        _mm256_storeu_ps(out + 8 * v, _mm256_fmsub_ps(kx, c, _mm256_mul_ps(ky, sn)));
+        _mm256_storeu_ps(out + P + 8 * v, _mm256_fmadd_ps(kx, sn, _mm256_mul_ps(ky, c)));
+      }
+    } else {
+      for (int64_t j = 0; j < P; ++j) {
+        float zx = 0.0f, zy = 0.0f;
+        for (int64_t r = 0; r < R; ++r) {
+          const uint32_t code = commvq_code(row, R, r);
+          const float* a = atoms + (code >> 6) * 2 * P;
+          const float* b = atoms + (code & 63u) * 2 * P;
+          const float* g = gains + r * 2 * P;
+          const float ux = a[j] - b[P + j], uy = a[P + j] + b[j];
+          zx = std::fma(-g[P + j], uy, std::fma(g[j], ux, zx));
+          zy = std::fma(g[P + j], ux, std::fma(g[j], uy, zy));
+        }
+        const float sc = pair_scale[j] * scales[i];
+        float kx = zx * sc, ky = zy * sc;
+        if (mean) kx += mean[j], ky += mean[P + j];
+        out[j] = std::fma(kx, ph[j], -(ky * ph[P + j]));
+        out[P + j] = std::fma(kx, ph[P + j], ky * ph[j]);
+      }
+    }
+  }
+}
+
+// One segment [t0, t1) of KV head bh: m [R], l [R], o [R, D] of exp(score - m), the keys
+// rebuilt a block at a time (commvq_key_rows), the values product-VQ codewords.
+template <int VP>
+__attribute__((target("avx2,fma"))) void commvq_segment(
+    const CommvqLayout& L, int64_t bh, int64_t t0, int64_t t1, const float* q,
+    const float* atoms, const float* pair_scale, const float* gains, const float* mean,
+    const uint8_t* kcodes, const float* kscales, const uint8_t* vcodes, const float* vbook,
+    const float* phases, float* m_out, float* l_out, float* o_out) {
+  const int64_t R = L.rows, D = L.dim, h = bh % L.heads, P = D / 2;
+  const float* at = atoms + (L.atom_sets > 1 ? h : 0) * 64 * D;
+  const float* ps = pair_scale + (L.atom_sets > 1 ? h : 0) * P;
+  const float* gn = gains + (L.gain_sets > 1 ? h : 0) * L.stages * D;
+  const float* mu = L.mean ? mean + h * D : nullptr;
+  const uint8_t* kc = kcodes + bh * L.capacity * L.key_bytes;
+  const float* ks = kscales + bh * L.capacity;
+  const auto key_rows = [&](int64_t t, int64_t n, float* rows) {
+    commvq_key_rows<VP>(L, kc + t * L.key_bytes, ks + t, at, ps, gn, mu, phases + t * D, n, rows);
+  };
+  const float* vb = vbook + (L.value_books > 1 ? h : 0) * L.value_k * L.value_sub;
+  attend_segment<2 * VP>(R, D, t0, t1, q + bh * R * D, nullptr, nullptr, key_rows,
+                         vcodes + bh * L.capacity * L.value_bytes, L.value_bytes, vb,
+                         L.value_codes, L.value_bits, L.value_sub, m_out, l_out, o_out);
+}
+
+using CommvqSegmentFn = void (*)(
+    const CommvqLayout&, int64_t, int64_t, int64_t, const float*, const float*, const float*,
+    const float*, const float*, const uint8_t*, const float*, const uint8_t*, const float*,
+    const float*, float*, float*, float*);
+
+CommvqSegmentFn commvq_segment_for(int64_t dim) {
+  switch (dim) {
+    case 32: return commvq_segment<2>;
+    case 64: return commvq_segment<4>;
+    case 128: return commvq_segment<8>;
+    case 256: return commvq_segment<16>;
+    default: return commvq_segment<0>;
+  }
+}
+
+// Inputs: the scaled query rows q [B, H, R, D], the cache's atoms θ [S, 1, P, 64, 2] and their
+// scales [S, 1, P, 1, 1] ([1]: none), gains [G, stages, P, 2], key mean [H, D] ([1]: none), all
+// float32 and in the model's channel order (`traditional`: RoPE pairs (2j, 2j + 1), else
+// (j, j + P)); key codes [B, H, capacity, key bytes], key scales [B, H, capacity], value
+// codes, value book [1 or H, K, d], phases [n_coded, D]; outputs m [B, H, R], l [B, H, R],
+// o [B, H, R, D] over the first n_coded tokens.
+class CommvqCodedAttention : public CpuPrimitive {
+ public:
+  CommvqCodedAttention(mx::Stream stream, CommvqLayout layout)
+      : CpuPrimitive(stream), layout_(layout) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = begin_eval(stream(), inputs, outputs);
+    const CommvqLayout L = layout_;
+    const float *q_in = inputs[0].data<float>(), *theta = inputs[1].data<float>();
+    const float *theta_scale = inputs[2].data<float>(), *gains_in = inputs[3].data<float>();
+    const float* mean_in = inputs[4].data<float>();
+    const uint8_t* kc = inputs[5].data<uint8_t>();
+    const float* ks = inputs[6].data<float>();
+    const uint8_t* vc = inputs[7].data<uint8_t>();
+    const float *vb = inputs[8].data<float>(), *phases = inputs[9].data<float>();
+    float *m = outputs[0].data<float>(), *l = outputs[1].data<float>(),
+          *o = outputs[2].data<float>();
+    encoder.dispatch([=]() {
+      const int64_t R = L.rows, D = L.dim, P = D / 2, heads = L.batch * L.heads;
+      // the cache's own arrays in the layouts the loops read (a few thousand floats): the
+      // query rows and key mean with each pair's first element then every pair's second, the
+      // atoms [S, 64, 2, P] and gains [G, stages, 2, P] one component's pairs contiguous
+      std::vector<float> q(heads * R * D), mean(L.mean ? L.heads * D : 0);
+      const auto to_pairs = [&](const float* in, float* out, int64_t rows) {
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t j = 0; j < P; ++j) {
+            out[i * D + j] = in[i * D + (L.traditional ? 2 * j : j)];
+            out[i * D + P + j] = in[i * D + (L.traditional ? 2 * j + 1 : P + j)];
+          }
+        }
+      };
+      to_pairs(q_in, q.data(), heads * R);
+      if (L.mean) to_pairs(mean_in, mean.data(), L.heads);
+      std::vector<float> atoms(L.atom_sets * 64 * D), pair_scale(L.atom_sets * P, 1.0f);
+      for (int64_t s = 0; s < L.atom_sets; ++s) {
+        for (int64_t j = 0; j < P; ++j) {
+          if (L.scaled) pair_scale[s * P + j] = theta_scale[s * P + j];
+          for (int64_t c = 0; c < 64; ++c) {
+            const float* t = theta + ((s * P + j) * 64 + c) * 2;
+            atoms[(s * 64 + c) * D + j] = t[0];
+            atoms[(s * 64 + c) * D + P + j] = t[1];
+          }
+        }
+      }
+      std::vector<float> gains(L.gain_sets * L.stages * D);
+      for (int64_t gr = 0; gr < L.gain_sets * L.stages; ++gr) {
+        for (int64_t j = 0; j < P; ++j) {
+          gains[gr * D + j] = gains_in[(gr * P + j) * 2];
+          gains[gr * D + P + j] = gains_in[(gr * P + j) * 2 + 1];
+        }
+      }
+      const CommvqSegmentFn commvq_segment = commvq_segment_for(D);
+      const auto segment = [&](int64_t bh, int64_t t0, int64_t t1, float* pm, float* pl,
+                               float* po) {
+        commvq_segment(L, bh, t0, t1, q.data(), atoms.data(), pair_scale.data(), gains.data(),
+                       mean.data(), kc, ks, vc, vb, phases, pm, pl, po);
+      };
+      attend_in_segments(heads, R, D, L.n_coded, L.n_coded * heads * L.stages * D * 4, segment,
+                         m, l, o);
+    });
+  }
+
+  const char* name() const override {
+    return "VeloxquantCpuCommvqCodedAttention";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return layout_ == static_cast<const CommvqCodedAttention&>(other).layout_;
+  }
+
+ private:
+  CommvqLayout layout_;
 };
 
 mx::Stream cpu_stream() {
@@ -1459,6 +1704,76 @@ std::vector<mx::array> vecinfer_coded_attention(
        mx::contiguous(phases, false, s)});
 }
 
+// The op: (m, l, o) of CommvqCodedAttention, its inputs checked against one another.
+std::vector<mx::array> commvq_coded_attention(
+    const mx::array& q, const mx::array& theta, const mx::array& theta_scale,
+    const mx::array& gains, const mx::array& mean, const mx::array& key_codes,
+    const mx::array& key_scales, const mx::array& value_codes, const mx::array& value_book,
+    const mx::array& phases, int64_t n_coded, int value_bits, bool traditional) {
+  for (const auto* x : {&q, &theta, &theta_scale, &gains, &mean, &key_scales, &value_book,
+                        &phases}) {
+    check_float32(*x, 1);
+  }
+  const auto fail = [](const std::string& what) {
+    throw std::invalid_argument("[veloxquant.cpu_kernels] commvq_coded_attention: " + what);
+  };
+  if (q.ndim() != 4 || theta.ndim() != 5 || gains.ndim() != 4 || key_codes.ndim() != 4 ||
+      key_scales.ndim() != 3 || value_codes.ndim() != 4 || value_book.ndim() != 3 ||
+      phases.ndim() != 2) {
+    fail("takes q [B, H, R, D], atoms [S, 1, D/2, 64, 2], gains [G, stages, D/2, 2], codes "
+         "[B, H, capacity, bytes], key scales [B, H, capacity], a value book [1 or H, K, d] "
+         "and phases [n_coded, D]");
+  }
+  if (key_codes.dtype() != mx::uint8 || value_codes.dtype() != mx::uint8) fail("codes are uint8");
+  CommvqLayout L{};
+  L.batch = q.shape(0), L.heads = q.shape(1), L.rows = q.shape(2), L.dim = q.shape(3);
+  L.capacity = key_codes.shape(2), L.n_coded = n_coded, L.stages = gains.shape(1);
+  L.key_bytes = key_codes.shape(3), L.value_bytes = value_codes.shape(3);
+  L.atom_sets = theta.shape(0), L.gain_sets = gains.shape(0), L.value_books = value_book.shape(0);
+  L.value_k = value_book.shape(1), L.value_sub = value_book.shape(2), L.value_bits = value_bits;
+  L.mean = mean.ndim() == 2, L.traditional = traditional, L.scaled = theta_scale.ndim() == 5;
+  const int P = q.shape(3) / 2;
+  if (L.dim % 2) fail("head_dim must be even (RoPE pairs)");
+  if (theta.shape() != mx::Shape{theta.shape(0), 1, P, 64, 2} || gains.shape(2) != P ||
+      gains.shape(3) != 2) {
+    fail("atoms must be [S, 1, D/2, 64, 2] and gains [G, stages, D/2, 2]");
+  }
+  if (L.scaled && theta_scale.shape() != mx::Shape{theta.shape(0), 1, P, 1, 1}) {
+    fail("atom scales must be [S, 1, D/2, 1, 1]");
+  }
+  if (L.stages < 1 || L.key_bytes != L.stages + (L.stages + 1) / 2) {
+    fail("key code rows hold stages + ceil(stages / 2) bytes");
+  }
+  if (value_bits < 1 || value_bits > 16 || L.value_k != (int64_t{1} << value_bits)) {
+    fail("the value book has 2^bits codewords of 1-16 bits");
+  }
+  if (L.dim % L.value_sub) fail("the value sub-vector dim must divide D");
+  L.value_codes = L.dim / L.value_sub;
+  const mx::Shape codes_v = {q.shape(0), q.shape(1), key_codes.shape(2),
+                             static_cast<int>((L.value_codes * value_bits + 7) / 8)};
+  const mx::Shape scales = {q.shape(0), q.shape(1), key_codes.shape(2)};
+  if (key_codes.shape(0) != q.shape(0) || key_codes.shape(1) != q.shape(1) ||
+      value_codes.shape() != codes_v || key_scales.shape() != scales) {
+    fail("codes and scales must be [B, H, capacity, ...] of the queries' B and H");
+  }
+  if (n_coded < 0 || n_coded > L.capacity) fail("n_coded must be within the buffers");
+  for (int64_t sets : {L.atom_sets, L.gain_sets, L.value_books}) {
+    if (sets != 1 && sets != L.heads) fail("atoms, gains and books are [1, ...] or [H, ...]");
+  }
+  if (L.mean && (mean.shape(0) != L.heads || mean.shape(1) != L.dim)) fail("the mean is [H, D]");
+  if (phases.shape(0) != n_coded || phases.shape(1) != L.dim) fail("phases are [n_coded, D]");
+  const mx::Stream s = cpu_stream();
+  const mx::Shape rows = {q.shape(0), q.shape(1), q.shape(2)};
+  std::vector<mx::array> in;
+  for (const auto* x : {&q, &theta, &theta_scale, &gains, &mean, &key_codes, &key_scales,
+                        &value_codes, &value_book, &phases}) {
+    in.push_back(mx::contiguous(*x, false, s));
+  }
+  return mx::array::make_arrays(
+      {rows, rows, q.shape()}, {mx::float32, mx::float32, mx::float32},
+      std::make_shared<CommvqCodedAttention>(s, L), in);
+}
+
 // The exp alone, over a buffer of float32s, for the exhaustive comparison with mx.exp.
 __attribute__((target("avx2,fma"))) nb::bytes exp_float32(nb::bytes data) {
   if (data.size() % (8 * sizeof(float)) != 0) {
@@ -1498,6 +1813,10 @@ NB_MODULE(_cpu_kernels, m) {
         nb::arg("key_codes"), nb::arg("key_book"), nb::arg("value_codes"),
         nb::arg("value_book"), nb::arg("phases"), nb::arg("n_coded"),
         nb::arg("key_bits"), nb::arg("value_bits"));
+  m.def("commvq_coded_attention", &commvq_coded_attention, nb::arg("q"), nb::arg("theta"),
+        nb::arg("theta_scale"), nb::arg("gains"), nb::arg("mean"), nb::arg("key_codes"),
+        nb::arg("key_scales"), nb::arg("value_codes"), nb::arg("value_book"), nb::arg("phases"),
+        nb::arg("n_coded"), nb::arg("value_bits"), nb::arg("traditional"));
   m.def("exp_float32", &exp_float32, nb::arg("data"));
   m.def("cpu_supported", &cpu_supported);
   m.def("set_wide_assign", [](bool on) { g_wide_assign = on; }, nb::arg("on"));

@@ -514,3 +514,55 @@ def vectorized() -> Iterator[None]:
     finally:
         for module in patched:
             module.swiglu = mlx_lm_swiglu
+
+
+def commvq_coded_attention(
+    q: mx.array,
+    theta: mx.array,
+    theta_scale: mx.array | None,
+    gains: mx.array,
+    mean: mx.array | None,
+    key_codes: mx.array,
+    key_scales: mx.array,
+    value_codes: mx.array,
+    value_book: mx.array,
+    phases: mx.array,
+    n_coded: int,
+    value_bits: int,
+    traditional: bool,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """CommVQ's attention over the first n_coded coded tokens, straight from the packed codes,
+    in one pass (`veloxquant.methods.commvq.kernels.cpu_kernel_attention`): each block of keys
+    rebuilt from the shared atoms and per-stage gains and rotated at its positions in L1, never
+    as an array. The scaled query rows q [B, H, R, D]; the cache's shared atoms θ
+    [S, 1, D/2, 64, 2] with their per-pair scales [S, 1, D/2, 1, 1] (or None), gains
+    [G, stages, D/2, 2] and key mean [H, D] (or None), float32, in the model's channel order
+    (`traditional`: RoPE pairs (2j, 2j + 1), else (j, j + D/2)); code buffers
+    [B, H, capacity, bytes] uint8 and key scales [B, H, capacity] float32; the value book
+    [1 or H, 2^bits, d]; the coded positions' `rope.phase_table` phases [n_coded, D] -> (running
+    max [B, H, R], sum [B, H, R], Σ exp(s - max) · value codewords [B, H, R, D]). Not the bits of
+    MLX's ops (its sums run in another order): tests bound it against the pure-MLX twin."""
+    given = [x for x in (theta_scale, mean) if x is not None]
+    if not usable(q, theta, gains, key_scales, value_book, phases, *given):
+        raise ValueError(
+            "cpu_kernels.commvq_coded_attention takes float32 queries, codebooks, scales and "
+            "phases on the CPU with the extension built"
+        )
+    none = mx.zeros((1,), mx.float32)
+    return tuple(
+        _module.commvq_coded_attention(
+            q,
+            theta,
+            none if theta_scale is None else theta_scale,
+            gains,
+            none if mean is None else mean,
+            key_codes,
+            key_scales,
+            value_codes,
+            value_book,
+            phases,
+            n_coded,
+            value_bits,
+            traditional,
+        )
+    )

@@ -417,6 +417,16 @@ class KernelSource:
         )
 
 
+# A split attention kernel's exact tokens in position order: sinks, window, the call's own
+# ([1, H, n, D] arrays `sink`, `win`, `cur`; the body's n_sink, n_win, n_new and kvh).
+EXACT_AT = """
+#define VQ_EXACT_AT(sink, win, cur, t, c) \\
+  ((t) < n_sink ? static_cast<float>(sink[(kvh * n_sink + (t)) * D + (c)]) \\
+   : (t) < n_sink + n_win ? static_cast<float>(win[(kvh * n_win + (t) - n_sink) * D + (c)]) \\
+   : static_cast<float>(cur[(kvh * n_new + (t) - n_sink - n_win) * D + (c)]))
+"""
+
+
 # ---------------------------------------------------------------------------------------------
 # The flash-decoding merge every split attention kernel ends with
 

@@ -34,8 +34,9 @@ Calibration (`train.py`, from a capture's `k_pre`, `v` and, for diagnostics, `q_
 Runtime (`cache.py`, `CommVQCache`): keys arrive post-RoPE; RoPE is inverted at the cache's own
 absolute positions, the pre-RoPE key is coded (12-bit codes packed, one fp16 scale per token);
 at fetch the codeword sums are decoded and RoPE is applied exactly at each token's position
-(transient dequantization by default; VELOXQUANT_FUSED=1 decodes a piece at a time under an
-online softmax, `kernels.py`; its GPU kernel is still to come). fp16 sinks and a recent
+(transient dequantization by default; VELOXQUANT_FUSED=1 attends from the codes, `kernels.py`:
+GPU kernels for a decode query, not yet run on a GPU, elsewhere a piece of the coded past
+decoded at a time under an online softmax). fp16 sinks and a recent
 fp16 window stay exact, as in VecInfer. `nbytes` counts codes, scales, window, sinks, atoms (or
 θ) with their scales, gains, μ and the value codebooks, i.e. every resident array. Only RoPE the
 cache can re-apply exactly is accepted: full rotary, rope_scaling none/default/linear.
@@ -69,7 +70,7 @@ import mlx.core as mx
 
 from veloxquant import attention
 from veloxquant.methods.base import Artifact, Method, ModelDims, TensorSpec
-from veloxquant.methods.commvq import codebook
+from veloxquant.methods.commvq import codebook, kernels
 from veloxquant.methods.commvq.cache import (
     DEFAULT_SINKS,
     DEFAULT_WINDOW,
@@ -259,8 +260,10 @@ def make_caches(model: Any, config: Any, artifact: Artifact | None) -> list[Comm
         )
         for i in range(dims.L)
     ]
-    # the fused path only when VELOXQUANT_FUSED=1: its GPU kernels have not yet run on a GPU
-    attention.enable_for(model, caches, "commvq", auto=False)
+    # the fused path by default (VELOXQUANT_FUSED=auto) where the CPU kernel runs; on a GPU only
+    # when VELOXQUANT_FUSED=1: its GPU kernels have not yet run on a GPU
+    cpu_kernel = kernels.cpu_kernel_here()
+    attention.enable_for(model, caches, "commvq", auto=cpu_kernel, cpu_kernel=cpu_kernel)
     return caches
 
 

@@ -17,10 +17,11 @@ Encode (a token leaving the window): invert RoPE at the token's absolute positio
 (`mx.fast.rope` with a negated scale, DESIGN.md section 6), subtract μ, divide by the fp16 scale,
 greedy separable encoding over the R stages (`codebook.encode_residual`).
 
-Fused attention (opt-in: VELOXQUANT_FUSED=1; `fused_attention`, kernels.py): the same
-tokens attended straight from the codes, nothing dequantized kept: GPU kernels for one decode
-query, elsewhere the pure-MLX twin, the coded past decoded one piece at a time under an online
-softmax.
+Fused attention (`fused_attention`, kernels.py; by default where the CPU kernel runs, elsewhere
+with VELOXQUANT_FUSED=1): the same tokens attended straight from the codes, nothing dequantized
+kept: the CPU extension's one pass over the codes, GPU kernels for one decode query (not yet
+run on a GPU), else the pure-MLX twin, the coded past decoded one piece at a time under an
+online softmax.
 
 Fetch (the transient path, the default): decode Σ_r c(a_r, b_r), multiply by s,
 add μ, apply RoPE exactly at the coded tokens' positions (they are contiguous, from `sinks` on,
@@ -41,6 +42,7 @@ import mlx_lm.models.cache as mlx_cache
 from mlx import nn
 from mlx_lm.models.cache import create_attention_mask
 
+from veloxquant import attention
 from veloxquant.codes import pq_decode, pq_encode
 from veloxquant.methods.base import CompressedCache, ModelDims, pack_state, take_sinks, unpack_state
 from veloxquant.methods.commvq import codebook as cb
@@ -195,6 +197,7 @@ class CommVQCache(CompressedCache):
         self.window_keys = self.window_values = None
         self.key_codes = self.key_scales = self.value_codes = None
         self.fused = False  # set by make_caches (veloxquant.attention.enable_for)
+        self._route_probe: str | None = None  # set for a loaded state (attention.route_proven)
         self._pending: dict | None = None
         self.last_attention: str | None = None
         self._n_q_heads: int | None = None
@@ -345,10 +348,11 @@ class CommVQCache(CompressedCache):
     # -- mlx-lm cache protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.fused:
+        if self.fused and attention.route_proven(self):
             return self._fused_update(keys, values)
         self._check_no_pending()
         self._check_keys(keys)
+        self.last_attention = "transient"
         dtype = keys.dtype
         recent_k, recent_v = keys.astype(mx.float32), values.astype(mx.float32)
         recent_k, recent_v, out_sk, out_sv = take_sinks(self, recent_k, recent_v)
@@ -409,17 +413,22 @@ class CommVQCache(CompressedCache):
 
     @property
     def attention_path(self) -> str:
-        """How decode attention runs: "kernel" (the fused GPU kernels), "reference" (their
-        algebra in MLX ops, a piece of the coded past at a time: the CPU, or a codebook form
-        the kernels do not take, see `kernels.unsupported`) or "transient" (the whole coded
-        past decoded, then mlx-lm's attention). `last_attention` says what the latest call
+        """How decode attention runs: "kernel" (the fused GPU kernels), "cpu-kernel" (the CPU
+        extension's one pass over the codes), "reference" (the kernels' algebra in MLX ops, a
+        piece of the coded past at a time: a CPU without the extension, or a codebook form the
+        kernels do not take, see `kernels.unsupported`) or "transient" (the whole coded past
+        decoded, then mlx-lm's attention). `last_attention` says what the latest call
         used (prefill chunks take "reference" when fused)."""
         if not self.fused:
             return "transient"
         from veloxquant.methods.commvq import kernels
 
         n_q = self._n_q_heads or self.n_heads
-        return "kernel" if kernels.kernels_take(self, n_q) else "reference"
+        if kernels.kernels_take(self, n_q):
+            return "kernel"
+        if kernels.cpu_kernel_takes(self):
+            return "cpu-kernel"
+        return "reference"
 
     def _fused_update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._check_no_pending()
@@ -458,6 +467,9 @@ class CommVQCache(CompressedCache):
         if b == 1 and n == 1 and mask is None and kernels.kernels_take(self, n_q):
             self.last_attention = "kernel"
             return kernels.decode_attention(self, queries, scale, pending)
+        if kernels.cpu_kernel_takes(self, mask):
+            self.last_attention = "cpu-kernel"
+            return kernels.cpu_kernel_attention(self, queries, scale, mask, pending)
         self.last_attention = "reference"
         return kernels.reference_attention(self, queries, scale, mask, pending)
 
@@ -508,9 +520,18 @@ class CommVQCache(CompressedCache):
         for name in self.array_names:
             setattr(self, name, arrays.get(name))
         self._set_meta(meta)
-        # from_state skips __init__; a loaded cache stays on the transient path (the fused one
-        # is opt-in until the GPU kernels exist; set `fused` to choose)
-        self.fused, self._pending, self.last_attention = False, None, None
+        # from_state skips __init__. A loaded cache attends the way a fresh one would in this
+        # process (make_caches: fused by default where the CPU kernel runs, elsewhere when
+        # VELOXQUANT_FUSED=1), once its first update has shown the model's attention routed
+        # (attention.route_proven)
+        from veloxquant.methods.commvq import kernels
+
+        cpu_kernel = kernels.cpu_kernel_here()
+        self.fused = attention.wanted_for(cpu_kernel, cpu_kernel)
+        self._route_probe = "loaded" if self.fused else None
+        if self.fused:
+            attention.install()
+        self._pending, self.last_attention = None, None
         self._n_q_heads = None
         self.__dict__.pop("_kernel_memo", None)  # kernels.py's memo of the arrays just replaced
         self._validate()

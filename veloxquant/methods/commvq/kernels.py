@@ -18,8 +18,8 @@ Two launches per layer and decode step (`decode_attention`), flash-decoding styl
 2. the combine (`veloxquant.kernels.split_combine_source`): one threadgroup per query head
    merges the S + 1 partials and writes the output in the model's dtype.
 
-A token costs 2·R·D/2 atom reads and complex multiply-adds per KV head (R = 21 stages at D =
-128 and 2 bits: 1344 of each, shared by the KV head's query heads), against D multiply-adds of
+A token costs 2·R·D/2 atom reads and R·D/2 complex multiply-adds per KV head (R = 21 stages at
+D = 128 and 2 bits: 2688 and 1344, shared by the KV head's query heads), against D multiply-adds of
 a plain dot product: the kernel saves memory (no dequantized past, ever) and the transient
 path's per-step dequantization, not the arithmetic of fp16 attention (README, "CommVQ decode").
 
@@ -44,9 +44,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from veloxquant import attention
+from veloxquant import attention, cpu_kernels
 from veloxquant.codes import code_bytes
+from veloxquant.rope import RopeSpec, phase_table
 from veloxquant.kernels import (
+    EXACT_AT,
     NEG,
     KernelSource,
     backend,
@@ -78,6 +80,9 @@ CODE_WORDS = True
 # a conversion per read)
 ATOM_BYTES: int | None = None
 PARAMS = 16  # int32 slots of iparams
+# the CPU extension's one-pass attention over the coded past (`cpu_kernel_attention`) where it
+# is built; False keeps the twin on the CPU
+CPU_KERNEL = True
 LOG2E = math.log2(math.e)
 
 
@@ -146,14 +151,19 @@ def layout(cache: Any, n_q_heads: int) -> Layout:
     )
 
 
-def unsupported(cache: Any, n_q_heads: int, which: str = "cuda") -> str | None:
-    """Why the kernels do not take this cache (None when they do)."""
+def unsupported(cache: Any, n_q_heads: int, which: str | None = None) -> str | None:
+    """Why the kernels do not take this cache (None when they do) on backend `which` (default:
+    the one MLX runs on, CUDA's answer on the CPU)."""
+    which = which or backend() or "cuda"
     if cache.key_gain is None:
         return (
             "a free θ per stage (the paper's codebook): R x 64 atoms per pair do not fit a "
             "threadgroup's memory; the kernels take shared atoms with per-stage gains"
         )
     h = cache.n_heads
+    uneven = _uneven_sets(cache)
+    if uneven:
+        return uneven
     if n_q_heads % h or n_q_heads // h > MAX_QUERIES_PER_KV:
         return f"{n_q_heads} query heads over {h} KV heads (at most {MAX_QUERIES_PER_KV} each)"
     if cache.head_dim > MAX_HEAD_DIM:
@@ -164,6 +174,22 @@ def unsupported(cache: Any, n_q_heads: int, which: str = "cuda") -> str | None:
     if not atom_bytes(lay, which):
         need, limit = threadgroup_bytes(lay, 2), THREADGROUP_LIMIT[which]
         return f"{need} bytes of threadgroup memory (at most {limit} on {which})"
+    return None
+
+
+def _uneven_sets(cache: Any) -> str | None:
+    """What the kernels (GPU and CPU) refuse in a shared-atom cache whose atoms, gains or value
+    codebooks come in sets neither one per layer nor one per KV head (only a hand-made cache
+    has them: calibration shares them by layer or by head)."""
+    h = cache.n_heads
+    sets = {
+        "atom": cache.theta.shape[0],
+        "gain": cache.key_gain.shape[0],
+        "value codebook": cache.value_codebook.shape[0],
+    }
+    for what, n in sets.items():
+        if n not in (1, h):
+            return f"{n} {what} sets for {h} KV heads (the kernels take one, or one per head)"
     return None
 
 
@@ -203,14 +229,6 @@ VQ_FN uint vq_cvq_code(const VQ_GLOBAL uint8_t* row, int off, int bits) {
 #endif
 """
 
-# The exact tokens in position order: sinks, window, the call's own.
-_EXACT_AT = """
-#define VQ_CVQ_EXACT_AT(sink, win, cur, t, c) \\
-  ((t) < n_sink ? static_cast<float>(sink[(kvh * n_sink + (t)) * D + (c)]) \\
-   : (t) < n_sink + n_win ? static_cast<float>(win[(kvh * n_win + (t) - n_sink) * D + (c)]) \\
-   : static_cast<float>(cur[(kvh * n_new + (t) - n_sink - n_win) * D + (c)]))
-"""
-
 # One token's softmax step for every query head (scores in `sc`, log2 units, the same in every
 # lane) and its value rows added: `VALUE(i, e)` is element e of the lane's i-th value sub-vector.
 _SOFTMAX_STEP = """
@@ -245,7 +263,7 @@ _SOFTMAX_STEP = """
 """
 
 _PARTIAL_BODY = (
-    _EXACT_AT
+    EXACT_AT
     + _SOFTMAX_STEP
     + """
   constexpr int NW = TILE / 32;
@@ -325,7 +343,7 @@ _PARTIAL_BODY = (
     const int t0 = split * per_split;
     const int t1 = min(t0 + per_split, n_coded);
     for (int t = t0 + warp; t < t1; t += NW) {
-      const VQ_GLOBAL uint8_t* kr = key_codes + (kvh * stride + t) * KB;
+      const VQ_GLOBAL uint8_t* kr = key_codes + (size_t)(kvh * stride + t) * KB;
       // the row's bytes as 32-bit words where rows are whole words (KB % 4 == 0: one load
       // per 4 bytes, not per byte)
       constexpr int KWORDS = CODE_WORDS && KB % 4 == 0 ? KB / 4 : 1;
@@ -380,7 +398,7 @@ _PARTIAL_BODY = (
       }
       VQ_UNROLL
       for (int g = 0; g < GQ; ++g) sc[g] = vq_simd_sum(sc[g]);
-      const VQ_GLOBAL uint8_t* vr = value_codes + (kvh * stride + t) * VBYTES;
+      const VQ_GLOBAL uint8_t* vr = value_codes + (size_t)(kvh * stride + t) * VBYTES;
 #define VQ_CVQ_CODED_VALUE(i, e) \\
   static_cast<float>( \\
       value_book[(vbook * VK + (int)vq_cvq_code(vr, (lane + 32 * (i)) * VB, VB)) * VD + (e)])
@@ -399,7 +417,7 @@ _PARTIAL_BODY = (
           VQ_UNROLL
           for (int e = 0; e < VD; ++e) {
             const int c = (lane + 32 * i) * VD + e;
-            const float kc = VQ_CVQ_EXACT_AT(sink_k, win_k, new_k, t, c);
+            const float kc = VQ_EXACT_AT(sink_k, win_k, new_k, t, c);
             VQ_UNROLL
             for (int g = 0; g < GQ; ++g) sc[g] += s_q[g * D + c] * kc;
           }
@@ -408,7 +426,7 @@ _PARTIAL_BODY = (
       VQ_UNROLL
       for (int g = 0; g < GQ; ++g) sc[g] = vq_simd_sum(sc[g]);
 #define VQ_CVQ_EXACT_VALUE(i, e) \\
-  VQ_CVQ_EXACT_AT(sink_v, win_v, new_v, t, (lane + 32 * (i)) * VD + (e))
+  VQ_EXACT_AT(sink_v, win_v, new_v, t, (lane + 32 * (i)) * VD + (e))
       VQ_CVQ_SOFTMAX_STEP(VQ_CVQ_EXACT_VALUE)
 #undef VQ_CVQ_EXACT_VALUE
     }
@@ -571,7 +589,8 @@ def combine_kernel_source(head_dim: int, queries_per_kv: int, out_dtype: mx.Dtyp
 def split_tokens(n_coded: int, n_heads: int, threadgroup_bytes: int = 0) -> int:
     """Coded tokens per split: enough splits for about TARGET_GROUPS threadgroups over the
     launch's KV heads (read at call time, so a benchmark can sweep it; None: as many as the
-    GPU holds at once, `split_target`), each of at least MIN_SPLIT tokens."""
+    GPU holds at once, `split_target`), and no more splits than MIN_SPLIT tokens each would
+    make (the tokens are then spread evenly over them, so a split may hold fewer)."""
     if n_coded == 0:
         return 1
     target = split_target(TARGET_GROUPS, GROUPS_PER_MULTIPROCESSOR, 1056, threadgroup_bytes)
@@ -664,7 +683,7 @@ def attention_inputs(
     iparams = (n_coded, per_split, n_splits, n_sink, n_win, n_new, stride, cache.sinks)
     fparams = _float_params(float(scale), float(cache.rope_scale), rope_log2_base(cache.rope_base))
     return [
-        queries.reshape(n_q, -1),
+        _at_least_8(queries.reshape(n_q, -1)),
         *codebook_inputs(cache),
         *store,
         *exact,
@@ -734,5 +753,67 @@ def reference_attention(
         run.add(keys, values, attention.mask_columns(mask, n, total, n_sink + a, e - a))
         if n > 1:  # prefill: keep one piece's intermediates alive at a time
             mx.eval(run.m, run.l, run.o)
+    run.add_exact(fk, fv, n_sink, n_coded, mask)
+    return run.result(queries.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU kernel
+
+
+def cpu_kernel_here() -> bool:
+    """Whether fused attention runs the CPU kernel here: CPU_KERNEL on, MLX on the CPU, and the
+    extension built (veloxquant.cpu_kernels.available, which says once in the log why not)."""
+    return CPU_KERNEL and mx.default_device() == mx.cpu and cpu_kernels.available()
+
+
+def cpu_kernel_takes(cache: Any, mask: Any = None) -> bool:
+    """Whether `cpu_kernel_attention` takes this call: `cpu_kernel_here()`, the shared-atom form
+    (`unsupported`'s first two reasons), and a mask under which every query sees every coded
+    token (none, or "causal": the coded past precedes every query); a mask array (a sliding
+    window, left padding) takes the twin."""
+    return (
+        (mask is None or (isinstance(mask, str) and mask == "causal"))
+        and cache.key_gain is not None
+        and _uneven_sets(cache) is None
+        and cpu_kernel_here()
+    )
+
+
+def cpu_kernel_attention(
+    cache: Any, queries: mx.array, scale: float, mask: Any, pending: dict
+) -> mx.array:
+    """`reference_attention` with the coded past attended in one pass of the CPU extension's
+    `commvq_coded_attention` (veloxquant.cpu_kernels), straight from the packed codes: no piece
+    of keys or values is decoded into an array. Takes what `cpu_kernel_takes` accepts."""
+    b, n_q, n, d = queries.shape
+    h = cache.n_heads
+    g = n_q // h
+    q = (queries.astype(mx.float32) * scale).reshape(b, h, g * n, d)
+    run = attention.OnlineSoftmax(q, n)
+    n_coded = int(pending["n_coded"])
+    fk, fv, n_sink = attention.exact_tokens(cache, pending)
+    if n_coded:
+        key_codes, key_scales, value_codes = pending["codes"]
+        f32 = mx.float32
+        rope = RopeSpec(d, cache.rope_traditional, cache.rope_base, cache.rope_scale)
+        m, l_code, o_code = cpu_kernels.commvq_coded_attention(
+            q,
+            cache.theta.astype(f32),
+            None if cache.theta_scale is None else cache.theta_scale.astype(f32),
+            cache.key_gain.astype(f32),
+            cache.key_mean,
+            key_codes,
+            key_scales.astype(f32),
+            value_codes,
+            cache.value_codebook.astype(f32),
+            phase_table(rope, cache.sinks, n_coded),
+            n_coded,
+            cache.value_bits,
+            cache.rope_traditional,
+        )
+        run.m = m.reshape(*run.m.shape)
+        run.l = l_code.reshape(*run.l.shape)
+        run.o = o_code.reshape(*run.o.shape)
     run.add_exact(fk, fv, n_sink, n_coded, mask)
     return run.result(queries.dtype)

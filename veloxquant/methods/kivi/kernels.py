@@ -45,6 +45,7 @@ from veloxquant.kernels import (
     device_resident,
     launch,
     launch_params,
+    EXACT_AT,
     split_combine_source,
     split_target,
 )
@@ -219,14 +220,6 @@ VQ_FN uint vq_kivi_code(const VQ_GLOBAL uint32_t* w, uint off, uint bits) {
 #endif
 """
 
-# The exact tokens in position order: sinks, window, the call's own.
-_EXACT_AT = """
-#define VQ_EXACT_AT(sink, win, cur, t, c) \\
-  ((t) < n_sink ? static_cast<float>(sink[(kvh * n_sink + (t)) * D + (c)]) \\
-   : (t) < n_sink + n_win ? static_cast<float>(win[(kvh * n_win + (t) - n_sink) * D + (c)]) \\
-   : static_cast<float>(cur[(kvh * n_new + (t) - n_sink - n_win) * D + (c)]))
-"""
-
 # A coded token's share of the values loop: each of the thread's channels, its code times the
 # token's p·s of the channel's group, per query.
 _VALUE_TOKEN = """
@@ -247,7 +240,7 @@ _VALUE_TOKEN = """
 # (scores) or one channel (values) per thread; `_MMA_PARTIAL_BODY` on the tensor cores (CUDA
 # only, `mma_takes`). The @@NAME@@ lines are where they differ.
 _PARTIAL_TEMPLATE = (
-    _EXACT_AT
+    EXACT_AT
     + """
   const int n_splits = iparams[2];
   const int split = (int)vq_gx;
