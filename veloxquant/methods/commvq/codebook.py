@@ -246,14 +246,22 @@ def _chunk_rows(g: int, n: int, chunk_elems: int) -> int:
 
 
 def nearest_codewords(
-    x_pairs: mx.array, theta: mx.array, *, chunk_elems: int = CHUNK_ELEMS
+    x_pairs: mx.array,
+    theta: mx.array,
+    *,
+    chunk_elems: int = CHUNK_ELEMS,
+    tables: tuple[mx.array, mx.array, mx.array] | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Nearest of the 4096 codewords for x [G, N, P, 2] under θ [G, P, 64, 2] →
-    (codes [G, N] uint32, squared error [G, N]). Chunked over N; evaluated per chunk."""
+    (codes [G, N] uint32, squared error [G, N]). Chunked over N; evaluated per chunk. tables:
+    θ's (projection_matrix, γ, cross), when the caller already built them (`stage_tables`)."""
     g, n, p, _ = x_pairs.shape
     x_flat = x_pairs.reshape(g, n, 2 * p)
-    proj = projection_matrix(theta)
-    gamma, cross = norm_tables(theta)
+    if tables is None:
+        proj = projection_matrix(theta)
+        gamma, cross = norm_tables(theta)
+    else:
+        proj, gamma, cross = tables
     # On an x86 CPU the extension finds the same code and score without the score block. The
     # chunks stay: OpenBLAS's sums in the u/v GEMM depend on a row's place in its block of rows.
     on_kernels = cpu_kernels.usable(x_flat, theta)
@@ -273,7 +281,22 @@ def nearest_codewords(
             mx.eval(c, e)
         codes.append(c.astype(mx.uint32))
         errs.append(e)
+    if len(codes) == 1:  # one chunk (a decode step's token): no copy through a concatenation
+        return codes[0], errs[0]
     return mx.concatenate(codes, axis=1), mx.concatenate(errs, axis=1)
+
+
+def stage_tables(theta: mx.array) -> list[tuple[mx.array, mx.array, mx.array]]:
+    """Every stage's (projection_matrix, γ, cross) of θ [G, R, P, 64, 2], built for all stages
+    at once (a few ops, not a few per stage: a one-token encode is bound by the count of ops);
+    each stage's tables hold the bits the per-stage functions give (the same sums, one stage a
+    matrix of a batch)."""
+    g, r, p, k, _ = theta.shape
+    flat = theta.reshape(g * r, p, k, 2)
+    proj = projection_matrix(flat).reshape(g, r, 2 * p, 2 * k)
+    gamma, cross = norm_tables(flat)
+    gamma, cross = gamma.reshape(g, r, k), cross.reshape(g, r, k, k)
+    return [(proj[:, i], gamma[:, i], cross[:, i]) for i in range(r)]
 
 
 def encode_residual(
@@ -282,22 +305,29 @@ def encode_residual(
     """Greedy additive encoding over R stages: stage r codes what stages < r left.
     x [G, N, P, 2], θ [G, R, P, 64, 2] → (codes [G, N, R] uint32, residual [G, N, P, 2])."""
     r_stages = theta.shape[1]
+    tables = stage_tables(theta)
+    by_atom = theta.transpose(0, 1, 3, 2, 4)  # [G, R, 64, P, 2]: codeword_pairs' layout
     residual = x_pairs
     codes = []
     for r in range(r_stages):
-        c, _ = nearest_codewords(residual, theta[:, r], chunk_elems=chunk_elems)
-        residual = residual - codeword_pairs(theta[:, r], c)
+        c, _ = nearest_codewords(residual, theta[:, r], chunk_elems=chunk_elems, tables=tables[r])
+        residual = residual - _codeword_pairs(by_atom[:, r], c)
         codes.append(c)
     return mx.stack(codes, axis=-1), residual
 
 
 def codeword_pairs(theta: mx.array, codes: mx.array) -> mx.array:
     """One stage: θ [G, P, 64, 2], codes [G, N] → codewords [G, N, P, 2]."""
+    return _codeword_pairs(theta.transpose(0, 2, 1, 3), codes)
+
+
+def _codeword_pairs(by_atom: mx.array, codes: mx.array) -> mx.array:
+    # θ laid out by atom, [G, 64, P, 2]; both atoms of every code in one gather
     a, b = split_codes(codes)
-    t = theta.transpose(0, 2, 1, 3)  # [G, 64, P, 2]
-    ta = mx.take_along_axis(t, a.astype(mx.int32)[..., None, None], axis=1)
-    tb = mx.take_along_axis(t, b.astype(mx.int32)[..., None, None], axis=1)
-    return combine(ta, tb)
+    ab = mx.concatenate([a, b], axis=1).astype(mx.int32)[..., None, None]  # [G, 2N, 1, 1]
+    t = mx.take_along_axis(by_atom, ab, axis=1)
+    n = codes.shape[1]
+    return combine(t[:, :n], t[:, n:])
 
 
 # ---------------------------------------------------------------------------------------------
