@@ -233,6 +233,22 @@ def test_cache_decode_takes_the_kernels_and_keeps_the_model_dtype(dtype, monkeyp
 # ------------------------------------------------------------------ 3. contract
 
 
+@needs_cxx
+def test_nbytes_counts_the_arrays_the_gpu_kernels_keep(monkeypatch):
+    # after a decode step in the (emulated) kernels the cache holds the codebook laid out for
+    # them and the combine's head table beside its own arrays: nbytes counts each array once
+    from mlx.utils import tree_flatten
+
+    c, q = _decode_case(np.random.default_rng(9), LAYOUTS["d64-r11-q3"], n_tok=200)
+    before = c.nbytes
+    _on_emulated_gpu(monkeypatch)
+    c.fused_attention(q, scale=0.2)
+    assert c.last_attention == "kernel"
+    leaves = tree_flatten(vars(c), is_leaf=lambda x: isinstance(x, mx.array))
+    held = {id(x): x.nbytes for _, x in leaves if isinstance(x, mx.array)}
+    assert c.nbytes == sum(held.values()) > before
+
+
 def test_what_the_kernels_do_not_take_is_named_and_takes_the_twin(monkeypatch):
     monkeypatch.setattr(K, "backend", lambda: "cuda")
     free = CommVQCache(

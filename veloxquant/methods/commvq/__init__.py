@@ -34,9 +34,10 @@ Calibration (`train.py`, from a capture's `k_pre`, `v` and, for diagnostics, `q_
 Runtime (`cache.py`, `CommVQCache`): keys arrive post-RoPE; RoPE is inverted at the cache's own
 absolute positions, the pre-RoPE key is coded (12-bit codes packed, one fp16 scale per token);
 at fetch the codeword sums are decoded and RoPE is applied exactly at each token's position
-(transient dequantization by default; VELOXQUANT_FUSED=1 attends from the codes, `kernels.py`:
-GPU kernels for a decode query, not yet run on a GPU, elsewhere a piece of the coded past
-decoded at a time under an online softmax). fp16 sinks and a recent
+(transient dequantization where nothing fuses; the fused path attends from the codes,
+`kernels.py`: the CPU extension's kernel, by default where it is built; GPU kernels for a
+decode query with VELOXQUANT_FUSED=1, not yet run on a GPU; elsewhere a piece of the coded
+past decoded at a time under an online softmax). fp16 sinks and a recent
 fp16 window stay exact, as in VecInfer. `nbytes` counts codes, scales, window, sinks, atoms (or
 θ) with their scales, gains, μ and the value codebooks, i.e. every resident array. Only RoPE the
 cache can re-apply exactly is accepted: full rotary, rope_scaling none/default/linear.

@@ -418,7 +418,7 @@ class CommVQCache(CompressedCache):
         piece of the coded past at a time: a CPU without the extension, or a codebook form the
         kernels do not take, see `kernels.unsupported`) or "transient" (the whole coded past
         decoded, then mlx-lm's attention). `last_attention` says what the latest call
-        used (prefill chunks take "reference" when fused)."""
+        used (on a GPU, prefill chunks take "reference" when fused)."""
         if not self.fused:
             return "transient"
         from veloxquant.methods.commvq import kernels
@@ -456,7 +456,8 @@ class CommVQCache(CompressedCache):
     def fused_attention(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         """Attention of `queries` over everything the cache held for the latest update, in
         the model's dtype, without decoding the coded past whole: the GPU kernels for a single
-        decode query, the pure-MLX twin (a piece of the coded past at a time) otherwise."""
+        decode query, the CPU kernel where it runs (`kernels.cpu_kernel_takes`), the pure-MLX
+        twin (a piece of the coded past at a time) otherwise."""
         from veloxquant.methods.commvq import kernels
 
         pending, self._pending = self._pending, None
@@ -493,9 +494,13 @@ class CommVQCache(CompressedCache):
     @property
     def nbytes(self) -> int:
         # Everything resident and nothing else: packed codes and fp16 scales, the fp16 window
-        # and sinks, this layer's fp16 θ and value codebooks and f32 μ. The dequantized keys
-        # and values built in update_and_fetch are transient and not counted.
-        return int(sum(a.nbytes for a in self._arrays().values() if a is not None))
+        # and sinks, this layer's fp16 θ and value codebooks and f32 μ, and the copies of those
+        # the GPU kernels read (once they exist). The dequantized keys and values built in
+        # update_and_fetch are transient and not counted.
+        from veloxquant.methods.commvq import kernels
+
+        own = sum(a.nbytes for a in self._arrays().values() if a is not None)
+        return int(own + kernels.kernel_bytes(self))
 
     @property
     def meta_state(self) -> dict[str, Any]:

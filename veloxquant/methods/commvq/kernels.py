@@ -199,6 +199,18 @@ def _memo(cache: Any) -> dict:
     return cache.__dict__.setdefault("_kernel_memo", {})
 
 
+def kernel_bytes(cache: Any) -> int:
+    """Bytes of the arrays the GPU kernels keep on `cache` beside its own (the codebook laid out
+    for them, the combine's head table; `codebook_inputs`), each counted once."""
+    own = {id(a) for a in cache._arrays().values() if a is not None}
+    kept = {}
+    for value in cache.__dict__.get("_kernel_memo", {}).values():
+        for a in value if isinstance(value, tuple) else (value,):
+            if isinstance(a, mx.array) and id(a) not in own:
+                kept[id(a)] = a.nbytes
+    return sum(kept.values())
+
+
 def kernels_take(cache: Any, n_q_heads: int) -> bool:
     """Whether decode attention of this cache runs in the GPU kernels: a GPU backend and a
     codebook form and shape they take (`unsupported`)."""
