@@ -33,7 +33,7 @@ import numpy as np
 
 from veloxquant import KVCacheConfig, make_cache
 from veloxquant.methods.commvq import kernels as K
-from _common import fmt, model_dtype, random_weights_model
+from _common import fmt, random_weights_model
 from bench_generate import build_and_step, interleaved_decode, print_decode
 from bench_vecinfer import filled_caches
 
@@ -46,14 +46,14 @@ def commvq_caches(model, n_tokens: int, fused: bool, seed: int = 0) -> list:
     random codes, scales, sinks and window, set directly (a 128K fill would encode for minutes)."""
     os.environ["VELOXQUANT_FUSED"] = "1" if fused else "0"
     caches = make_cache(model, KVCacheConfig(method="commvq", uncalibrated=True))
-    dtype = model_dtype(model)
     for i, c in enumerate(caches):
-        fill(c, n_tokens, dtype, seed + i)
+        fill(c, n_tokens, seed + i)
     mx.eval([c.state for c in caches])
     return caches
 
 
-def fill(c, n_tokens: int, dtype: mx.Dtype, seed: int) -> None:
+def fill(c, n_tokens: int, seed: int) -> None:
+    """Random codes, scales, sinks and window (fp16, as the cache keeps them) for n_tokens."""
     h, d = c.n_heads, c.head_dim
     n_coded = max(0, n_tokens - c.sinks - c.window)
     key = mx.random.key(seed)
@@ -69,10 +69,9 @@ def fill(c, n_tokens: int, dtype: mx.Dtype, seed: int) -> None:
     c.window_keys = mx.random.normal((1, h, nw, d), key=k[5]).astype(mx.float16)
     c.window_values = mx.random.normal((1, h, nw, d), key=k[3]).astype(mx.float16)
     c.offset = n_tokens
-    del dtype
 
 
-def pending_of(c, dtype: mx.Dtype, seed: int) -> dict:
+def pending_of(c, seed: int) -> dict:
     """The state a fused update of one token leaves (without storing it)."""
     k = mx.random.split(mx.random.key(seed), 2)
     new = [mx.random.normal((1, c.n_heads, 1, c.head_dim), key=x).astype(mx.float32) for x in k]
@@ -98,7 +97,7 @@ def check(args) -> None:
             q = mx.random.normal((1, n_q, 1, c.head_dim), key=mx.random.key(ctx)).astype(
                 mx.bfloat16
             )
-            p = pending_of(c, mx.bfloat16, ctx)
+            p = pending_of(c, ctx)
             got = K.decode_attention(c, q, c.head_dim**-0.5, p).astype(mx.float32)
             want = K.reference_attention(c, q.astype(mx.float32), c.head_dim**-0.5, None, p)
             err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
@@ -182,7 +181,7 @@ def layer_attention(args, model) -> None:
     print(f"== one layer's decode attention ({n_q} query / {h} KV heads, D {d}), {CALLS} calls")
     for ctx in args.contexts:
         c = commvq_caches(model, ctx, True)[0]
-        p = pending_of(c, mx.bfloat16, 1)
+        p = pending_of(c, 1)
         q = mx.random.normal((1, n_q, 1, d), key=mx.random.key(2)).astype(mx.bfloat16)
         kv = [
             mx.random.normal((1, h, ctx, d), key=mx.random.key(s)).astype(mx.bfloat16)
